@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+from typing import Any
 
-from pair_dpo_trainer.errors import (  # noqa: E402
+from pair_dpo_trainer.errors import (
     ConfigError,
     PairDPOError,
     PreferenceRowError,
@@ -12,9 +12,28 @@ from pair_dpo_trainer.errors import (  # noqa: E402
     SnapshotIntegrityError,
 )
 
+__version__ = "0.1.0"
+
+# Heavy entry points are imported on first use, so `pair-dpo verify-snapshot` does not import transformers' Trainer.
+_LAZY = {
+    "PairDPOConfig": "pair_dpo_trainer.config",
+    "PairDPOTrainer": "pair_dpo_trainer.trainer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'pair_dpo_trainer' has no attribute {name!r}")
+
+
 __all__ = [
     "ConfigError",
+    "PairDPOConfig",
     "PairDPOError",
+    "PairDPOTrainer",
     "PreferenceRowError",
     "ScheduleError",
     "SnapshotIntegrityError",

@@ -10,6 +10,8 @@ from collections.abc import Sequence
 # subcommand -> module that defines ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("pair_dpo_trainer.data.prepare", "Normalise, tokenise and split preference data."),
+    "verify-snapshot": ("pair_dpo_trainer.integrity.cli", "Verify a snapshot against its pinned commit."),
+    "plot": ("pair_dpo_trainer.plotting", "Draw training_curves.png from a run's trainer_state.json."),
 }
 
 

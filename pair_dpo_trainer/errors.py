@@ -22,11 +22,11 @@ class PairDPOError(Exception):
         self.message = message
 
 
-class PreferenceRowError(PairDPOError):
+class PreferenceRowError(PairDPOError, ValueError):
     """A dataset row that cannot become a valid preference pair."""
 
 
-class ConfigError(PairDPOError):
+class ConfigError(PairDPOError, ValueError):
     """An invalid configuration value or an unsupported combination of options."""
 
 

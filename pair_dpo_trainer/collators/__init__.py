@@ -1,1 +1,20 @@
-"""collators subpackage."""
+"""Collators: a micro-batch of preference pairs -> one packed row, or 2n padded rows (reference path)."""
+
+from pair_dpo_trainer.collators.packed import (
+    CHOSEN,
+    IGNORE_INDEX,
+    REJECTED,
+    PackedPairBatch,
+    PackedPairCollator,
+)
+from pair_dpo_trainer.collators.padded import PaddedPairBatch, PaddedPairCollator
+
+__all__ = [
+    "CHOSEN",
+    "IGNORE_INDEX",
+    "REJECTED",
+    "PackedPairBatch",
+    "PackedPairCollator",
+    "PaddedPairBatch",
+    "PaddedPairCollator",
+]

@@ -1,0 +1,234 @@
+"""Packing collator: one micro-batch of preference pairs -> one padding-free row.
+
+The row holds every pair's two sequences back to back, chosen first::
+
+    [p1 + c1][p1 + r1][p2 + c2][p2 + r2] ...
+
+Sequence ``2*i`` is pair ``i``'s chosen sequence (``branch`` 0) and sequence ``2*i + 1`` its rejected one
+(``branch`` 1). Attention stays inside each sequence through ``cu_seqlens`` (varlen attention, see
+:mod:`pair_dpo_trainer.modeling.attention`); ``position_ids`` restart at 0 for each sequence.
+
+Labels are already shifted: ``labels[0, j]`` is the target of the logits at position ``j``, i.e. the token at
+``j + 1`` when that token is a completion token of the same sequence, else ``-100``. ``completion_mask`` is
+``labels != -100``. Everything is built on the CPU with plain Python lists (no per-token tensor ops).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+from pair_dpo_trainer.errors import PreferenceRowError
+
+IGNORE_INDEX = -100
+"""Label value of positions that are not scored."""
+
+PAIR_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+"""The tokenised dataset columns a collator reads from each feature."""
+
+CHOSEN = 0
+"""``branch`` value of a chosen sequence."""
+
+REJECTED = 1
+"""``branch`` value of a rejected sequence."""
+
+
+def _move(value: Any, fn: Any) -> Any:
+    return fn(value) if isinstance(value, torch.Tensor) else value
+
+
+class _TensorDataclass:
+    """Mixin: ``.to()`` and ``.pin_memory()`` for a dataclass whose tensor fields move together."""
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
+        """Return a copy with every tensor field on ``device`` (python ints stay as they are).
+
+        Args:
+            device: Target device.
+            non_blocking: Passed to ``Tensor.to``; asynchronous from pinned memory.
+        """
+        changes = {
+            f.name: _move(getattr(self, f.name), lambda t: t.to(device, non_blocking=non_blocking))
+            for f in fields(self)  # type: ignore[arg-type]
+        }
+        return replace(self, **changes)  # type: ignore[type-var]
+
+    def pin_memory(self) -> Any:
+        """Return a copy with every tensor in pinned memory (``DataLoader(pin_memory=True)`` calls it)."""
+        changes = {f.name: _move(getattr(self, f.name), torch.Tensor.pin_memory) for f in fields(self)}  # type: ignore[arg-type]
+        return replace(self, **changes)  # type: ignore[type-var]
+
+
+@dataclass(frozen=True)
+class PackedPairBatch(_TensorDataclass):
+    """One micro-batch of ``n`` pairs packed into one row of ``T`` tokens (``2n`` sequences).
+
+    Attributes:
+        input_ids: ``[1, T]`` int64 token ids (padding only in the optional trailing pad segment).
+        position_ids: ``[1, T]`` int64, restarting at 0 for every sequence (and for the pad segment).
+        cu_seqlens: ``[2n + 1]`` int32 cumulative sequence boundaries, ``cu_seqlens[0] == 0`` and
+            ``cu_seqlens[-1] == T``; ``[2n + 2]`` when a pad segment was added (``pad_to_multiple_of``).
+        max_seqlen: Longest segment (sequence or pad segment) in tokens, a python int.
+        labels: ``[1, T]`` int64 shifted targets: the next token when it is a completion token of the same
+            sequence, else ``-100``.
+        completion_mask: ``[1, T]`` bool, ``labels != -100``.
+        sequence_index: ``[1, T]`` int64, the sequence each token belongs to (``2n`` for pad tokens).
+        pair_index: ``[2n]`` int64, the pair (within the micro-batch) of each sequence: ``[0, 0, 1, 1, ...]``.
+        branch: ``[2n]`` int64, 0 for chosen and 1 for rejected: ``[0, 1, 0, 1, ...]``.
+        num_pairs: ``n``.
+        completion_positions: ``[N]`` int64 flat positions ``j`` where ``completion_mask[0, j]`` is true, in
+            order (``N`` scored tokens); lets the log-prob code gather scored rows without a host sync.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    labels: torch.Tensor
+    completion_mask: torch.Tensor
+    sequence_index: torch.Tensor
+    pair_index: torch.Tensor
+    branch: torch.Tensor
+    num_pairs: int
+    completion_positions: torch.Tensor
+
+    @property
+    def num_sequences(self) -> int:
+        """Number of real sequences, ``2 * num_pairs`` (the pad segment is not counted)."""
+        return 2 * self.num_pairs
+
+    @property
+    def num_tokens(self) -> int:
+        """Row length ``T`` including any pad segment."""
+        return int(self.input_ids.shape[1])
+
+
+def pair_sequences(feature: Mapping[str, Sequence[int]], row: int) -> tuple[list[int], list[int], int]:
+    """Return ``(prompt + chosen, prompt + rejected, prompt_length)`` for one feature, validated.
+
+    Args:
+        feature: A mapping with the three ``*_input_ids`` columns (lists of int).
+        row: Position of the feature in the micro-batch (for error messages).
+
+    Raises:
+        PreferenceRowError: ``empty_completion`` when a completion would contribute no label token (an empty
+            completion, or a one-token completion after an empty prompt).
+    """
+    missing = [c for c in PAIR_COLUMNS if c not in feature]
+    if missing:
+        raise KeyError(
+            f"feature {row} lacks the column(s) {missing}; the collators need {list(PAIR_COLUMNS)}"
+        )
+    prompt = [int(t) for t in feature["prompt_input_ids"]]
+    chosen = [int(t) for t in feature["chosen_input_ids"]]
+    rejected = [int(t) for t in feature["rejected_input_ids"]]
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        scored = len(completion) if prompt else len(completion) - 1
+        if scored <= 0:
+            raise PreferenceRowError(
+                "empty_completion",
+                f"feature {row} of the micro-batch: the {name} completion ({len(completion)} tokens after a "
+                f"{len(prompt)}-token prompt) contributes no label token; drop the row or check truncation "
+                "(max_length / max_prompt_length)",
+            )
+    return prompt + chosen, prompt + rejected, len(prompt)
+
+
+def sequence_labels(ids: Sequence[int], prompt_length: int) -> list[int]:
+    """Shifted labels of one sequence: ``ids[j + 1]`` if position ``j + 1`` is a completion token, else -100.
+
+    Example:
+        ``sequence_labels([5, 6, 7, 2], prompt_length=2) == [-100, 7, 2, -100]``.
+    """
+    first = max(prompt_length - 1, 0)
+    labels = [IGNORE_INDEX] * len(ids)
+    labels[first : len(ids) - 1] = ids[first + 1 :]
+    return labels
+
+
+class PackedPairCollator:
+    """Collate a micro-batch of pairs into one :class:`PackedPairBatch` (no padding unless asked).
+
+    Example:
+        One pair, prompt ``[5, 6]``, chosen ``[7, 2]``, rejected ``[8, 9, 2]``::
+
+            batch = PackedPairCollator()([
+                {"prompt_input_ids": [5, 6], "chosen_input_ids": [7, 2], "rejected_input_ids": [8, 9, 2]}
+            ])
+            batch.input_ids        == [[5, 6, 7, 2, 5, 6, 8, 9, 2]]
+            batch.position_ids     == [[0, 1, 2, 3, 0, 1, 2, 3, 4]]
+            batch.cu_seqlens       == [0, 4, 9]          # int32
+            batch.max_seqlen       == 5
+            batch.labels           == [[-100, 7, 2, -100, -100, 8, 9, 2, -100]]
+            batch.completion_mask  == [[F, T, T, F, F, T, T, T, F]]
+            batch.sequence_index   == [[0, 0, 0, 0, 1, 1, 1, 1, 1]]
+            batch.pair_index       == [0, 0]
+            batch.branch           == [0, 1]
+            batch.num_pairs        == 1
+            batch.completion_positions == [1, 2, 5, 6, 7]
+
+        With ``pad_to_multiple_of=4`` the row grows to 12 tokens: a trailing pad segment of 3
+        ``pad_token_id`` tokens (positions ``[0, 1, 2]``, labels -100, ``sequence_index`` 2) and
+        ``cu_seqlens == [0, 4, 9, 12]``.
+
+    Args:
+        pad_to_multiple_of: If set, round ``T`` up to a multiple of it by appending one pad segment (its own
+            entry in ``cu_seqlens``, so attention kernels see it as a separate, unscored sequence). Fixed
+            shapes help kernels and allocator reuse; the default ``None`` adds no padding at all.
+        pad_token_id: Token id of the pad segment.
+    """
+
+    def __init__(self, pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> None:
+        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
+            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of}")
+        self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_token_id = int(pad_token_id)
+
+    def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> PackedPairBatch:
+        """Pack ``features`` (``n`` pairs) into one row; see the class docstring for the layout."""
+        if len(features) == 0:
+            raise ValueError("PackedPairCollator got an empty micro-batch")
+        ids: list[int] = []
+        positions: list[int] = []
+        labels: list[int] = []
+        seq_index: list[int] = []
+        cu = [0]
+        for row, feature in enumerate(features):
+            chosen, rejected, prompt_length = pair_sequences(feature, row)
+            for seq in (chosen, rejected):
+                ids.extend(seq)
+                positions.extend(range(len(seq)))
+                labels.extend(sequence_labels(seq, prompt_length))
+                seq_index.extend([len(cu) - 1] * len(seq))
+                cu.append(len(ids))
+        pad = self._pad_length(len(ids))
+        if pad:
+            ids.extend([self.pad_token_id] * pad)
+            positions.extend(range(pad))
+            labels.extend([IGNORE_INDEX] * pad)
+            seq_index.extend([len(cu) - 1] * pad)
+            cu.append(len(ids))
+        n = len(features)
+        label_tensor = torch.tensor([labels], dtype=torch.int64)
+        mask = label_tensor != IGNORE_INDEX
+        return PackedPairBatch(
+            input_ids=torch.tensor([ids], dtype=torch.int64),
+            position_ids=torch.tensor([positions], dtype=torch.int64),
+            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
+            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
+            labels=label_tensor,
+            completion_mask=mask,
+            sequence_index=torch.tensor([seq_index], dtype=torch.int64),
+            pair_index=torch.arange(n, dtype=torch.int64).repeat_interleave(2),
+            branch=torch.tensor([CHOSEN, REJECTED], dtype=torch.int64).repeat(n),
+            num_pairs=n,
+            completion_positions=mask[0].nonzero().flatten(),
+        )
+
+    def _pad_length(self, length: int) -> int:
+        if self.pad_to_multiple_of is None:
+            return 0
+        return -length % self.pad_to_multiple_of

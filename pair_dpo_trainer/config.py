@@ -1,0 +1,152 @@
+"""``PairDPOConfig``: every option of pair DPO as a plain ``TrainingArguments`` field.
+
+Batch semantics (identical to the Trainer's, read in pairs): one optimizer step takes
+``per_device_train_batch_size * gradient_accumulation_steps`` pairs on every data-parallel rank, split into exactly
+``gradient_accumulation_steps`` packed micro-batches; the global step has ``world_size`` times that many pairs.
+
+All validation is in ``__post_init__``: every problem is collected and a single :class:`ConfigError` names them all.
+An unsupported combination raises; nothing silently falls back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
+
+ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
+
+
+@dataclass
+class PairDPOConfig(TrainingArguments):
+    """Training arguments for :class:`~pair_dpo_trainer.PairDPOTrainer` (a ``TrainingArguments`` subclass).
+
+    Example:
+        >>> PairDPOConfig(output_dir="out", beta=0.1, loss_type="sigmoid").loss_params().beta
+        0.1
+    """
+
+    beta: float = field(
+        default=0.1, metadata={"help": "DPO temperature beta (> 0): strength of the pull towards the reference."}
+    )
+    loss_type: str = field(
+        default="sigmoid", metadata={"help": f"Preference loss, one of {sorted(LOSS_FUNCTIONS)}."}
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={"help": "Assumed label-noise rate in [0, 0.5) for loss_type 'sigmoid' (cDPO) or 'robust' (rDPO)."},
+    )
+    nll_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the chosen-completion NLL term of loss_type 'sigmoid_nll' (RPO)."}
+    )
+    reference_free: bool = field(
+        default=False,
+        metadata={"help": "Use an implicit uniform reference (reference log-probs = 0): no reference model is built."},
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Local directory of the reference model. Default: the policy's own directory."},
+    )
+    ref_model_revision: str | None = field(
+        default=None, metadata={"help": "Pinned 40-hex commit of the reference snapshot (default: the policy's)."}
+    )
+    max_length: int = field(
+        default=1024, metadata={"help": "Maximum tokens of one sequence (prompt + one completion)."}
+    )
+    max_prompt_length: int = field(
+        default=512, metadata={"help": "Maximum prompt tokens; longer prompts keep their end (left truncation)."}
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={"help": "Token budget of one packed micro-batch; a pair whose two sequences exceed it is rejected "
+                  "with reason code 'pair_too_long'. None: no budget."},
+    )
+    attn_backend: str = field(
+        default="auto",
+        metadata={"help": f"Attention for packed rows, one of {list(ATTN_BACKENDS)}; 'auto' picks flash_attn, then "
+                  "torch_varlen (CUDA), then sdpa_segments."},
+    )
+    logps_chunk_size: int = field(
+        default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
+    )
+    # TrainingArguments defaults that pair DPO changes (each for a stated reason):
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={"help": "HF's filter reads the loss on the host every micro-batch (a GPU sync); pair DPO checks "
+                  "finiteness on the device instead, so it is off by default."},
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every parameter gets a gradient in DPO; searching for unused ones is waste."}
+    )
+
+    def __post_init__(self) -> None:
+        problems = self._pair_dpo_problems()
+        if problems:
+            code = problems[0][0] if len(problems) == 1 else "invalid_config"
+            lines = "\n".join(f"  - [{c}] {text}" for c, text in problems)
+            error = ConfigError(code, f"PairDPOConfig has {len(problems)} invalid option(s):\n{lines}")
+            error.problems = problems
+            raise error
+        super().__post_init__()
+
+    def _pair_dpo_problems(self) -> list[tuple[str, str]]:
+        """Returns ``(reason_code, message)`` for every invalid pair-DPO option."""
+        problems: list[tuple[str, str]] = []
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
+            problems.append(("bad_beta", f"beta={self.beta!r}: set a finite value > 0 (typical: 0.1)."))
+        if self.loss_type not in LOSS_FUNCTIONS:
+            problems.append(("unknown_loss_type", f"loss_type={self.loss_type!r}: use one of {sorted(LOSS_FUNCTIONS)}."))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            problems.append(
+                ("bad_label_smoothing", f"label_smoothing={self.label_smoothing!r}: set a value in [0, 0.5).")
+            )
+        elif self.label_smoothing > 0 and self.loss_type not in LABEL_SMOOTHING_LOSSES:
+            problems.append(
+                ("unsupported_combination", f"label_smoothing > 0 has no meaning for loss_type={self.loss_type!r}: "
+                 f"use one of {sorted(LABEL_SMOOTHING_LOSSES)} or set label_smoothing=0.")
+            )
+        if not (math.isfinite(self.nll_weight) and self.nll_weight >= 0):
+            problems.append(("bad_nll_weight", f"nll_weight={self.nll_weight!r}: set a finite value >= 0."))
+        if self.reference_free and (self.ref_model_name_or_path or self.ref_model_revision):
+            problems.append(
+                ("reference_conflict", "reference_free=True builds no reference: remove ref_model_name_or_path / "
+                 "ref_model_revision, or set reference_free=False.")
+            )
+        problems.extend(self._length_problems())
+        if self.attn_backend not in ATTN_BACKENDS:
+            problems.append(("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}."))
+        return problems
+
+    def _length_problems(self) -> list[tuple[str, str]]:
+        problems: list[tuple[str, str]] = []
+        if self.max_length <= 1:
+            problems.append(("bad_length", f"max_length={self.max_length}: set a value > 1."))
+        if not 0 < self.max_prompt_length < self.max_length:
+            problems.append(
+                ("bad_length", f"max_prompt_length={self.max_prompt_length}: set 0 < max_prompt_length < max_length "
+                 f"({self.max_length}) so every completion keeps at least one token.")
+            )
+        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch <= 0:
+            problems.append(("bad_length", "max_tokens_per_microbatch must be > 0 or None."))
+        if self.logps_chunk_size <= 0:
+            problems.append(("bad_length", f"logps_chunk_size={self.logps_chunk_size}: set a value > 0."))
+        if self.per_device_train_batch_size < 1:
+            problems.append(("bad_batch_size", "per_device_train_batch_size (pairs per micro-batch) must be >= 1."))
+        return problems
+
+    def loss_params(self) -> LossParams:
+        """The loss hyper-parameters as the pure loss functions take them."""
+        return LossParams(beta=float(self.beta), label_smoothing=float(self.label_smoothing),
+                          nll_weight=float(self.nll_weight))
+
+    @property
+    def pairs_per_rank_per_step(self) -> int:
+        """Pairs each data-parallel rank processes per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps

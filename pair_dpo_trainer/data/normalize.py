@@ -1,0 +1,296 @@
+"""Normalise one preference row of any supported shape into a typed :class:`PreferencePair`.
+
+Accepted row shapes (``None`` counts as a missing field: ``datasets`` fills absent keys with ``None``):
+
+1. ``prompt``, ``chosen`` and ``rejected`` as strings: the prompt becomes one user message and each
+   completion one assistant message.
+2. ``prompt`` as a string or a list of messages and ``chosen`` / ``rejected`` as lists of messages,
+   either only the completion turns (the first one is an assistant turn) or full conversations that
+   repeat the prompt turns first (the UltraFeedback-binarized shape). A string completion next to a
+   list prompt is one assistant message.
+3. Anthropic-HH: no ``prompt``; ``chosen`` and ``rejected`` are transcripts
+   ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``. The prompt is every turn before the last ``Assistant:``
+   turn; turn contents are stripped of surrounding whitespace.
+
+A message is an object with ``role`` in ``system`` / ``user`` / ``assistant`` and a string ``content``;
+other keys (``name``, ...) are dropped. Every problem raises
+:class:`~pair_dpo_trainer.errors.PreferenceRowError` with a stable ``reason_code`` (see
+``docs/reason_codes.md``, section "Data rows").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pair_dpo_trainer.errors import PreferenceRowError
+
+ROLES: tuple[str, ...] = ("system", "user", "assistant")
+
+Message = dict[str, str]
+
+# A turn marker of an Anthropic-HH transcript; the transcript is prefixed with "\n\n" before splitting.
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """One normalised preference pair.
+
+    Attributes:
+        prompt_messages: The shared prompt turns (at least one), each ``{"role": ..., "content": ...}``.
+        chosen_messages: The preferred completion turns after the prompt; the last one is an assistant turn.
+        rejected_messages: The dispreferred completion turns; the last one is an assistant turn.
+
+    Example:
+        >>> pair = normalize_row({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
+        >>> pair.prompt_messages
+        ({'role': 'user', 'content': '2+2?'},)
+        >>> pair.chosen_messages
+        ({'role': 'assistant', 'content': '4'},)
+    """
+
+    prompt_messages: tuple[Message, ...]
+    chosen_messages: tuple[Message, ...]
+    rejected_messages: tuple[Message, ...]
+
+    def as_row(self) -> dict[str, list[Message]]:
+        """Returns the pair as a shape-2 row (``prompt`` / ``chosen`` / ``rejected`` message lists).
+
+        ``normalize_row(pair.as_row()) == pair`` holds for every normalised pair.
+        """
+        return {
+            "prompt": [dict(m) for m in self.prompt_messages],
+            "chosen": [dict(m) for m in self.chosen_messages],
+            "rejected": [dict(m) for m in self.rejected_messages],
+        }
+
+
+def prompt_hash(pair: PreferencePair) -> str:
+    """Returns the sha256 hex digest of a canonical JSON of the pair's normalised prompt messages.
+
+    Two pairs get the same hash exactly when their prompt turns (roles and contents) are equal.
+
+    Example:
+        >>> a = normalize_row({"prompt": "hi", "chosen": "x", "rejected": "y"})
+        >>> b = normalize_row({"prompt": [{"role": "user", "content": "hi"}], "chosen": "z", "rejected": "w"})
+        >>> prompt_hash(a) == prompt_hash(b)
+        True
+    """
+    canonical = json.dumps(
+        [{"content": m["content"], "role": m["role"]} for m in pair.prompt_messages],
+        ensure_ascii=False,
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
+    """Validates one row of any supported shape and returns its :class:`PreferencePair`.
+
+    Args:
+        row: A mapping with ``chosen``, ``rejected`` and (except for Anthropic-HH transcripts) ``prompt``.
+
+    Returns:
+        The normalised pair; the completions hold only the turns after the prompt.
+
+    Raises:
+        PreferenceRowError: ``schema``, ``role``, ``content_type``, ``prefix_mismatch``,
+            ``not_assistant_last`` or ``empty_completion``.
+
+    Example:
+        >>> row = {
+        ...     "prompt": "Capital of France?",
+        ...     "chosen": [{"role": "user", "content": "Capital of France?"},
+        ...                {"role": "assistant", "content": "Paris."}],
+        ...     "rejected": [{"role": "user", "content": "Capital of France?"},
+        ...                  {"role": "assistant", "content": "Lyon."}],
+        ... }
+        >>> normalize_row(row).rejected_messages
+        ({'role': 'assistant', 'content': 'Lyon.'},)
+        >>> hh = normalize_row({"chosen": "\\n\\nHuman: Hi\\n\\nAssistant: Hello!",
+        ...                     "rejected": "\\n\\nHuman: Hi\\n\\nAssistant: Go away."})
+        >>> hh.prompt_messages, hh.chosen_messages
+        (({'role': 'user', 'content': 'Hi'},), ({'role': 'assistant', 'content': 'Hello!'},))
+    """
+    if not isinstance(row, Mapping):
+        raise PreferenceRowError(
+            "schema",
+            f"the row is a {type(row).__name__}, not an object; give each row as a JSON object "
+            "with 'prompt', 'chosen' and 'rejected'.",
+        )
+    chosen = _required_text_or_list(row, "chosen")
+    rejected = _required_text_or_list(row, "rejected")
+    prompt = row.get("prompt")
+    if prompt is None:
+        if isinstance(chosen, str) and isinstance(rejected, str):
+            return _from_transcripts(chosen, rejected)
+        raise PreferenceRowError(
+            "schema",
+            "the row has no 'prompt' field and 'chosen'/'rejected' are not both Anthropic-HH transcript "
+            "strings; add a 'prompt' (string or list of messages).",
+        )
+    prompt_messages = _prompt_messages(prompt)
+    chosen_messages = _completion_messages(chosen, "chosen", prompt_messages)
+    rejected_messages = _completion_messages(rejected, "rejected", prompt_messages)
+    return PreferencePair(prompt_messages, chosen_messages, rejected_messages)
+
+
+def _required_text_or_list(row: Mapping[str, Any], field: str) -> str | Sequence[Any]:
+    value = row.get(field)
+    if value is None:
+        raise PreferenceRowError(
+            "schema",
+            f"the row has no '{field}' field (or it is null); add it as a string or a list of messages.",
+        )
+    if not isinstance(value, (str, list, tuple)):
+        raise PreferenceRowError(
+            "schema",
+            f"'{field}' is a {type(value).__name__}; give a string or a list of {{role, content}} messages.",
+        )
+    return value
+
+
+def _prompt_messages(prompt: Any) -> tuple[Message, ...]:
+    if isinstance(prompt, str):
+        return ({"role": "user", "content": prompt},)
+    if not isinstance(prompt, (list, tuple)):
+        raise PreferenceRowError(
+            "schema",
+            f"'prompt' is a {type(prompt).__name__}; give a string or a list of {{role, content}} messages.",
+        )
+    if not prompt:
+        raise PreferenceRowError("schema", "'prompt' is an empty list; give at least one message.")
+    return _messages(prompt, "prompt")
+
+
+def _messages(values: Sequence[Any], field: str) -> tuple[Message, ...]:
+    return tuple(_message(value, f"{field}[{i}]") for i, value in enumerate(values))
+
+
+def _message(value: Any, where: str) -> Message:
+    if not isinstance(value, Mapping):
+        raise PreferenceRowError(
+            "schema",
+            f"{where} is a {type(value).__name__}; each message must be an object with 'role' and 'content'.",
+        )
+    role = value.get("role")
+    if not isinstance(role, str) or role not in ROLES:
+        raise PreferenceRowError(
+            "role",
+            f"{where}.role is {role!r}; use one of {', '.join(ROLES)} (map e.g. 'human' to 'user', 'gpt' to "
+            "'assistant'; tool turns are not supported).",
+        )
+    content = value.get("content")
+    if not isinstance(content, str):
+        raise PreferenceRowError(
+            "content_type",
+            f"{where}.content is {type(content).__name__}, not a string; flatten list/multimodal "
+            "content to text and replace null content.",
+        )
+    return {"role": role, "content": content}
+
+
+def _completion_messages(
+    value: str | Sequence[Any], field: str, prompt: tuple[Message, ...]
+) -> tuple[Message, ...]:
+    if isinstance(value, str):
+        turns: tuple[Message, ...] = ({"role": "assistant", "content": value},)
+    else:
+        if not value:
+            raise PreferenceRowError(
+                "empty_completion", f"'{field}' is an empty list; give at least one assistant message."
+            )
+        turns = _strip_prompt(_messages(value, field), field, prompt)
+    _check_completion(turns, field)
+    return turns
+
+
+def _strip_prompt(turns: tuple[Message, ...], field: str, prompt: tuple[Message, ...]) -> tuple[Message, ...]:
+    """Returns the completion turns of a message list: all of it, or what follows the repeated prompt."""
+    if turns[0]["role"] == "assistant":
+        return turns
+    n = len(prompt)
+    if turns[:n] != prompt:
+        raise PreferenceRowError(
+            "prefix_mismatch",
+            f"'{field}' is a full conversation but its first {n} turn(s) differ from 'prompt'; "
+            "a conversation must repeat the prompt turns exactly (same roles, same text) or hold only the "
+            "turns after it, starting with an assistant turn.",
+        )
+    if len(turns) > n and turns[n]["role"] != "assistant":
+        raise PreferenceRowError(
+            "prefix_mismatch",
+            f"'{field}' repeats 'prompt' and then continues with a {turns[n]['role']!r} turn; "
+            "the turns before the response must equal 'prompt' exactly (move them into 'prompt').",
+        )
+    if len(turns) == n:
+        raise PreferenceRowError(
+            "empty_completion",
+            f"'{field}' only repeats the prompt turns; add the assistant response after them.",
+        )
+    return turns[n:]
+
+
+def _check_completion(turns: tuple[Message, ...], field: str) -> None:
+    last = turns[-1]
+    if last["role"] != "assistant":
+        raise PreferenceRowError(
+            "not_assistant_last",
+            f"'{field}' ends with a {last['role']!r} turn; a completion must end with an "
+            "assistant turn (drop the trailing turns).",
+        )
+    if not last["content"].strip():
+        raise PreferenceRowError(
+            "empty_completion",
+            f"the final assistant turn of '{field}' is empty; drop the row or fill in the response.",
+        )
+
+
+def _from_transcripts(chosen: str, rejected: str) -> PreferencePair:
+    chosen_prompt, chosen_turns = _split_transcript(chosen, "chosen")
+    rejected_prompt, rejected_turns = _split_transcript(rejected, "rejected")
+    if chosen_prompt != rejected_prompt:
+        raise PreferenceRowError(
+            "prefix_mismatch",
+            "the 'chosen' and 'rejected' transcripts differ before their last 'Assistant:' turn; "
+            "both must share exactly the same prompt turns.",
+        )
+    return PreferencePair(chosen_prompt, chosen_turns, rejected_turns)
+
+
+def _split_transcript(text: str, field: str) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
+    """Splits an Anthropic-HH transcript into (prompt turns, completion turns)."""
+    parts = _HH_TURN.split("\n\n" + text.lstrip())
+    if len(parts) == 1 or parts[0].strip():
+        raise PreferenceRowError(
+            "schema",
+            f"'{field}' is a string but not an Anthropic-HH transcript (it must start with "
+            "'\\n\\nHuman:'); without a 'prompt' field, give both completions as "
+            "'\\n\\nHuman: ...\\n\\nAssistant: ...' transcripts, or add a 'prompt' field.",
+        )
+    turns = tuple(
+        {"role": _HH_ROLES[marker], "content": content.strip()}
+        for marker, content in zip(parts[1::2], parts[2::2], strict=True)
+    )
+    last_assistant = max((i for i, turn in enumerate(turns) if turn["role"] == "assistant"), default=None)
+    if last_assistant is None:
+        raise PreferenceRowError(
+            "not_assistant_last",
+            f"the '{field}' transcript has no 'Assistant:' turn; end it with the response.",
+        )
+    if last_assistant == 0:
+        raise PreferenceRowError(
+            "schema",
+            f"the '{field}' transcript has no turn before its last 'Assistant:' turn; start it with a "
+            "'\\n\\nHuman:' turn that holds the prompt.",
+        )
+    completion = turns[last_assistant:]
+    _check_completion(completion, field)
+    return turns[:last_assistant], completion

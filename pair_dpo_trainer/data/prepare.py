@@ -1,0 +1,444 @@
+"""``pair-dpo prepare-data``: normalise, tokenise and split preference data into a reproducible directory.
+
+``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``
+
+Every row of every input (jsonl / json / parquet) is normalised and tokenised; rejected rows are counted
+per reason code. N train and M eval pairs are then chosen deterministically from the seed, assigning whole
+prompt groups (pairs with the same :func:`~pair_dpo_trainer.data.normalize.prompt_hash`) to one split, so
+no prompt is shared between train and eval. DIR receives ``train.jsonl``, ``eval.jsonl`` (sorted-key JSON
+lines holding the normalised messages, the token id columns, the prompt hash and the source row) and
+``manifest.json``; the same inputs and arguments always give byte-identical files. Everything is written
+into a temporary sibling of DIR and renamed into place, so a failure leaves no partial DIR. Errors print
+one message on stderr and return exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
+from pair_dpo_trainer.errors import PairDPOError
+
+OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "manifest.json")
+FORMATS: dict[str, str] = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet"}
+MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/1"
+
+
+class UsageError(Exception):
+    """A problem with the arguments or inputs of ``prepare-data``: reported on stderr with exit code 2."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One accepted row: where it came from, its normalised pair and token ids."""
+
+    source: str
+    row: int
+    pair: PreferencePair
+    features: dict[str, list[int]]
+    prompt_hash: str
+
+    def to_json_row(self) -> dict[str, Any]:
+        """The output row: messages, token ids, prompt hash and source."""
+        return {
+            **self.pair.as_row(),
+            **self.features,
+            "prompt_hash": self.prompt_hash,
+            "source": self.source,
+            "source_row": self.row,
+        }
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    """One input file as recorded in the manifest."""
+
+    name: str
+    sha256: str
+    rows: int
+
+
+@dataclass(frozen=True)
+class Split:
+    """The selected train and eval rows."""
+
+    train: list[Candidate]
+    eval: list[Candidate]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``prepare-data`` arguments on ``parser``."""
+    parser.add_argument(
+        "inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows."
+    )
+    parser.add_argument(
+        "--output", required=True, metavar="DIR", help="Output directory (created atomically)."
+    )
+    parser.add_argument(
+        "--tokenizer", required=True, metavar="PATH", help="Local tokenizer directory with a chat template."
+    )
+    parser.add_argument(
+        "--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1)."
+    )
+    parser.add_argument(
+        "--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0)."
+    )
+    parser.add_argument(
+        "--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection."
+    )
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=1024,
+        metavar="L",
+        help="Maximum tokens of prompt + one completion (default 1024).",
+    )
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=512,
+        metavar="P",
+        help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
+    )
+    parser.add_argument(
+        "--max-pair-tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected).",
+    )
+    parser.add_argument(
+        "--strict", action="store_true", help="Fail on the first rejected row instead of counting."
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace an existing DIR that holds only a previous prepare-data output.",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``prepare-data``; returns 0 on success, 2 (with a message on stderr) on a usage or input error."""
+    try:
+        _check_args(args)
+        output = _check_output(Path(args.output), overwrite=args.overwrite)
+        tokenizer, tokenizer_info = _load_tokenizer(args.tokenizer)
+        candidates, inputs, rejections, examples = _read_all(args, tokenizer)
+        split = select_split(candidates, train_size=args.train_size, eval_size=args.eval_size, seed=args.seed)
+        if len(split.train) < args.train_size or len(split.eval) < args.eval_size:
+            raise UsageError(_shortfall_message(args, candidates, rejections, examples))
+        manifest = _manifest(args, inputs, len(candidates), rejections, tokenizer_info, split)
+        _write_atomically(output, split, manifest)
+    except (UsageError, PairDPOError) as exc:
+        print(f"pair-dpo prepare-data: error: {exc}", file=sys.stderr)
+        return 2
+    total = sum(i.rows for i in inputs)
+    print(
+        f"read {total} rows from {len(inputs)} input(s); accepted {len(candidates)}; "
+        f"rejected {sum(rejections.values())}{_counts(rejections, ': ')}"
+    )
+    for code in sorted(examples):
+        print(f"  e.g. [{code}] {examples[code]}")
+    print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
+    return 0
+
+
+def select_split(candidates: list[Candidate], *, train_size: int, eval_size: int, seed: int) -> Split:
+    """Chooses eval then train pairs from whole prompt groups, deterministically from ``seed``.
+
+    Groups are visited in the order of ``sha256(seed, prompt_hash)``, which depends neither on the input
+    order nor on the Python version. Eval takes every group that fits in its remaining need; if it is still
+    short, it takes part of the smallest remaining group (the rest of that group is dropped). Train then
+    takes groups in order, the last one possibly in part. A split that cannot be filled comes back short.
+    """
+    groups: dict[str, list[Candidate]] = {}
+    for candidate in candidates:
+        groups.setdefault(candidate.prompt_hash, []).append(candidate)
+    order = sorted(groups, key=lambda h: hashlib.sha256(f"{seed}\0{h}".encode()).hexdigest())
+    eval_rows: list[Candidate] = []
+    rest: list[str] = []
+    for key in order:
+        if len(eval_rows) < eval_size and len(groups[key]) <= eval_size - len(eval_rows):
+            eval_rows.extend(groups[key])
+        else:
+            rest.append(key)
+    if len(eval_rows) < eval_size and rest:
+        smallest = min(rest, key=lambda h: len(groups[h]))
+        rest.remove(smallest)
+        eval_rows.extend(groups[smallest][: eval_size - len(eval_rows)])
+    train_rows: list[Candidate] = []
+    for key in rest:
+        if len(train_rows) >= train_size:
+            break
+        train_rows.extend(groups[key][: train_size - len(train_rows)])
+    return Split(train=train_rows, eval=eval_rows)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.train_size < 1:
+        raise UsageError(f"--train-size={args.train_size}: select at least 1 train pair.")
+    if args.eval_size < 0:
+        raise UsageError(f"--eval-size={args.eval_size}: must be >= 0.")
+    if args.max_length < 2:
+        raise UsageError(f"--max-length={args.max_length}: must be >= 2.")
+    if not 0 < args.max_prompt_length < args.max_length:
+        raise UsageError(
+            f"--max-prompt-length={args.max_prompt_length}: set 0 < P < --max-length "
+            f"({args.max_length}) so every completion keeps at least one token."
+        )
+    if args.max_pair_tokens is not None and args.max_pair_tokens < 1:
+        raise UsageError(f"--max-pair-tokens={args.max_pair_tokens}: must be >= 1.")
+    for path in args.inputs:
+        if _format_of(path) is None:
+            raise UsageError(f"{path}: unsupported input format; use {', '.join(sorted(FORMATS))} files.")
+
+
+def _check_output(output: Path, *, overwrite: bool) -> Path:
+    if output.exists() or output.is_symlink():
+        if not output.is_dir() or output.is_symlink():
+            raise UsageError(f"--output {output}: exists and is not a directory; choose another path.")
+        entries = sorted(p.name for p in output.iterdir())
+        if entries and not overwrite:
+            raise UsageError(
+                f"--output {output}: directory is not empty; pass --overwrite to replace a previous "
+                "prepare-data output, or choose another path."
+            )
+        foreign = [name for name in entries if name not in OUTPUT_FILES]
+        if foreign:
+            raise UsageError(
+                f"--output {output}: holds files that prepare-data did not write ({foreign[:3]}); "
+                "refusing to replace it, choose another path."
+            )
+    return output
+
+
+def _load_tokenizer(path: str) -> tuple[Any, dict[str, Any]]:
+    if not os.path.isdir(path):
+        raise UsageError(f"--tokenizer {path}: not a directory; give a local tokenizer directory.")
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # any loading failure is a bad --tokenizer argument
+        raise UsageError(
+            f"--tokenizer {path}: cannot load a tokenizer ({type(exc).__name__}: {exc})."
+        ) from exc
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise UsageError(
+            f"--tokenizer {path}: the tokenizer has no chat template; add one (chat_template.jinja)."
+        )
+    if getattr(tokenizer, "eos_token_id", None) is None:
+        raise UsageError(
+            f"--tokenizer {path}: the tokenizer has no eos_token; set it in tokenizer_config.json."
+        )
+    tokenizer_json = Path(path, "tokenizer.json")
+    template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    info = {
+        "name": os.path.basename(os.path.normpath(path)),
+        "tokenizer_json_sha256": _sha256_file(tokenizer_json) if tokenizer_json.is_file() else None,
+        "chat_template_sha256": hashlib.sha256(template_text.encode("utf-8")).hexdigest(),
+        "eos_token_id": int(tokenizer.eos_token_id),
+    }
+    return tokenizer, info
+
+
+def _read_all(
+    args: argparse.Namespace, tokenizer: Any
+) -> tuple[list[Candidate], list[InputSummary], Counter[str], dict[str, str]]:
+    from pair_dpo_trainer.data.tokenize import tokenize_dataset
+
+    candidates: list[Candidate] = []
+    inputs: list[InputSummary] = []
+    rejections: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
+        for path in args.inputs:
+            name = os.path.basename(path)
+            rows = _load_rows(path, cache_dir)
+            inputs.append(InputSummary(name=name, sha256=_sha256_file(Path(path)), rows=len(rows)))
+            result = tokenize_dataset(
+                rows,
+                tokenizer,
+                max_length=args.max_length,
+                max_prompt_length=args.max_prompt_length,
+                max_pair_tokens=args.max_pair_tokens,
+                strict=args.strict,
+                keep_pairs=True,
+                desc=name,
+            )
+            rejections.update(result.rejections)
+            for code, message in result.examples.items():
+                examples.setdefault(code, message)
+            for row, pair, features in zip(
+                result.row_indices, result.pairs or [], result.features, strict=True
+            ):
+                candidates.append(Candidate(name, row, pair, features, prompt_hash(pair)))
+            del rows
+    return candidates, inputs, rejections, examples
+
+
+def _format_of(path: str) -> str | None:
+    return FORMATS.get(Path(path).suffix.lower())
+
+
+def _load_rows(path: str, cache_dir: str) -> Any:
+    """Loads one input through ``datasets``, caching in ``cache_dir``; raises UsageError if unreadable."""
+    if not os.path.isfile(path):
+        raise UsageError(f"{path}: no such file.")
+    try:
+        _sha256_file(Path(path))  # fails early, with a clear message, on an unreadable file
+        if _is_empty_json(path):
+            return []
+        import datasets
+
+        bars_were_enabled = datasets.is_progress_bar_enabled()
+        datasets.disable_progress_bars()
+        try:
+            return datasets.load_dataset(
+                _format_of(path), data_files=os.path.abspath(path), split="train", cache_dir=cache_dir
+            )
+        finally:
+            if bars_were_enabled:
+                datasets.enable_progress_bars()
+    except Exception as exc:  # any reading failure: the input is unreadable
+        cause = exc.__cause__ or exc
+        raise UsageError(
+            f"{path}: cannot read it as {_format_of(path)} ({type(cause).__name__}: {cause})."
+        ) from exc
+
+
+def _is_empty_json(path: str) -> bool:
+    if _format_of(path) != "json" or os.path.getsize(path) > 64:
+        return False
+    with open(path, "rb") as f:
+        return f.read().strip() in (b"", b"[]")
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _counts(counter: Counter[str], prefix: str = " by code: ") -> str:
+    if not counter:
+        return ""
+    return prefix + ", ".join(f"{code}={counter[code]}" for code in sorted(counter))
+
+
+def _shortfall_message(
+    args: argparse.Namespace, candidates: list[Candidate], rejections: Counter[str], examples: dict[str, str]
+) -> str:
+    need = args.train_size + args.eval_size
+    prompts = len({c.prompt_hash for c in candidates})
+    rejected = sum(rejections.values())
+    hint = f" First rejection: {examples[min(examples)]}" if examples else ""
+    if len(candidates) < need:
+        return (
+            f"only {len(candidates)} valid pairs ({rejected} rows rejected{_counts(rejections, ': ')}), but "
+            f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
+        )
+    return (
+        f"{len(candidates)} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
+        f"{args.train_size} train + {args.eval_size} eval pairs without a prompt in both splits; "
+        "lower the sizes."
+    )
+
+
+def _manifest(
+    args: argparse.Namespace,
+    inputs: list[InputSummary],
+    accepted: int,
+    rejections: Counter[str],
+    tokenizer_info: dict[str, Any],
+    split: Split,
+) -> dict[str, Any]:
+    from pair_dpo_trainer import __version__
+
+    return {
+        "format": MANIFEST_FORMAT,
+        "package": {"name": "pair_dpo_trainer", "version": __version__},
+        "inputs": [{"name": i.name, "sha256": i.sha256, "rows": i.rows} for i in inputs],
+        "rows_read": sum(i.rows for i in inputs),
+        "accepted": accepted,
+        "rejections": {code: rejections[code] for code in sorted(rejections)},
+        "seed": args.seed,
+        "train_size": args.train_size,
+        "eval_size": args.eval_size,
+        "max_length": args.max_length,
+        "max_prompt_length": args.max_prompt_length,
+        "max_pair_tokens": args.max_pair_tokens,
+        "tokenizer": tokenizer_info,
+        "splits": {
+            name: {"pairs": len(rows), "prompts": len({c.prompt_hash for c in rows})}
+            for name, rows in (("train", split.train), ("eval", split.eval))
+        },
+    }
+
+
+def _write_atomically(output: Path, split: Split, manifest: dict[str, Any]) -> None:
+    """Writes the splits and manifest into a fresh sibling directory of ``output``, then renames it."""
+    parent = output.absolute().parent
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        tmp = parent / f".{output.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except OSError as exc:
+        raise UsageError(f"--output {output}: cannot create a directory next to it ({exc}).") from exc
+    try:
+        outputs = {}
+        for name, rows in (("train.jsonl", split.train), ("eval.jsonl", split.eval)):
+            outputs[name] = {"rows": len(rows), "sha256": _write_jsonl(tmp / name, rows)}
+        text = (
+            json.dumps({**manifest, "outputs": outputs}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+        )
+        (tmp / "manifest.json").write_bytes(text.encode("utf-8"))
+        _replace_dir(tmp, output)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise UsageError(f"--output {output}: cannot write the outputs ({exc}).") from exc
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _write_jsonl(path: Path, rows: list[Candidate]) -> str:
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for candidate in rows:
+            line = json.dumps(
+                candidate.to_json_row(), sort_keys=True, ensure_ascii=False, separators=(",", ":")
+            )
+            data = (line + "\n").encode("utf-8")
+            digest.update(data)
+            f.write(data)
+    return digest.hexdigest()
+
+
+def _replace_dir(tmp: Path, output: Path) -> None:
+    """Moves ``tmp`` to ``output``; an existing (checked) ``output`` is removed only after success."""
+    if not output.exists():
+        os.rename(tmp, output)
+        return
+    backup = output.absolute().parent / f".{output.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+    os.rename(output, backup)
+    try:
+        os.rename(tmp, output)
+    except OSError:
+        os.rename(backup, output)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)

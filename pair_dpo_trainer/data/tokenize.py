@@ -1,0 +1,369 @@
+"""Tokenise normalised preference pairs with the tokenizer's chat template.
+
+``prompt_ids`` is the chat template applied to the prompt turns with the generation prompt (the assistant
+header); each completion is the rest of the template applied to prompt + completion turns, after checking
+that this rendering starts with ``prompt_ids`` (else ``template_not_prefix``). A completion ends with
+``eos_token_id``: if the template closes the turn with EOS followed only by whitespace tokens (e.g.
+``<|im_end|>\\n``) that whitespace is dropped; if it does not emit EOS at all, EOS is appended.
+
+Truncation, in this order:
+
+1. the prompt is cut to ``max_prompt_length`` from the left (its end, next to the response, is kept);
+2. each completion is cut to ``max_length - len(prompt_ids)`` from the right. A cut completion loses its
+   EOS, as in TRL: the response did not end there, so the model must not learn to stop there.
+
+Control tokens written inside message contents (e.g. a literal ``</s>``) are encoded as plain text where
+the installed transformers supports ``apply_chat_template(..., sanitize_control_tokens=True)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from jinja2.exceptions import TemplateError
+
+from pair_dpo_trainer.data.normalize import PreferencePair, normalize_row
+from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
+
+FEATURE_COLUMNS: tuple[str, str, str] = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+
+# Below this many rows, tokenize_dataset shows no progress bar.
+PROGRESS_MIN_ROWS = 1000
+
+
+@dataclass(frozen=True)
+class TokenizedPair:
+    """Token ids of one pair.
+
+    Attributes:
+        prompt_ids: Chat-template tokens of the prompt, ending with the generation prompt (assistant header).
+        chosen_ids: Tokens of the chosen completion; they end with EOS unless the completion was truncated.
+        rejected_ids: Tokens of the rejected completion; same rule.
+
+    Example:
+        >>> tp = TokenizedPair(prompt_ids=(5, 6, 7), chosen_ids=(8, 2), rejected_ids=(9, 9, 2))
+        >>> tp.cost
+        11
+        >>> tp.to_features()["chosen_input_ids"]
+        [8, 2]
+    """
+
+    prompt_ids: tuple[int, ...]
+    chosen_ids: tuple[int, ...]
+    rejected_ids: tuple[int, ...]
+
+    @property
+    def cost(self) -> int:
+        """Tokens of both sequences of the pair: ``2 * len(prompt) + len(chosen) + len(rejected)``."""
+        return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
+
+    def to_features(self) -> dict[str, list[int]]:
+        """Returns the columns ``prompt_input_ids``, ``chosen_input_ids`` and ``rejected_input_ids``."""
+        return {
+            "prompt_input_ids": list(self.prompt_ids),
+            "chosen_input_ids": list(self.chosen_ids),
+            "rejected_input_ids": list(self.rejected_ids),
+        }
+
+
+@dataclass(frozen=True)
+class TokenizationResult:
+    """What :func:`tokenize_dataset` accepted and rejected.
+
+    Attributes:
+        features: One dict of the three ``*_input_ids`` columns per accepted row, in input order.
+        row_indices: The input index of each accepted row (aligned with ``features``).
+        rejections: Number of rejected rows per reason code.
+        examples: The first rejection message per reason code (it names the row).
+        num_rows: Rows read.
+        pairs: The normalised pair of each accepted row when ``keep_pairs=True``, else ``None``.
+    """
+
+    features: list[dict[str, list[int]]]
+    row_indices: list[int]
+    rejections: Counter[str]
+    examples: dict[str, str]
+    num_rows: int
+    pairs: list[PreferencePair] | None = field(default=None)
+
+    @property
+    def num_accepted(self) -> int:
+        """Number of accepted rows."""
+        return len(self.features)
+
+
+def tokenize_pair(
+    pair: PreferencePair,
+    tokenizer: Any,
+    *,
+    max_length: int,
+    max_prompt_length: int | None,
+    max_pair_tokens: int | None = None,
+) -> TokenizedPair:
+    """Tokenises and truncates one normalised pair.
+
+    Args:
+        pair: The normalised pair (see :func:`~pair_dpo_trainer.data.normalize.normalize_row`).
+        tokenizer: A Hugging Face tokenizer with a chat template and an ``eos_token_id``.
+        max_length: Maximum tokens of one sequence (prompt + one completion).
+        max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
+        max_pair_tokens: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
+            of one packed micro-batch).
+
+    Returns:
+        The pair's token ids.
+
+    Raises:
+        PreferenceRowError: ``template_not_prefix``, ``template_error``, ``empty_completion``,
+            ``identical_after_truncation`` or ``pair_too_long``.
+        ConfigError: ``bad_length`` for a non-positive length, or a tokenizer without ``eos_token_id``.
+
+    Example:
+        >>> pair = normalize_row({"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."})
+        >>> tp = tokenize_pair(pair, tokenizer, max_length=512, max_prompt_length=256)  # doctest: +SKIP
+        >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
+        ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
+    """
+    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    eos = _eos_token_id(tokenizer)
+    prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
+    chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
+    rejected = _completion_ids(
+        tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected"
+    )
+
+    if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
+        prompt_ids = prompt_ids[-max_prompt_length:]
+    room = max_length - len(prompt_ids)
+    if room <= 0:
+        raise PreferenceRowError(
+            "empty_completion",
+            f"the prompt takes {len(prompt_ids)} tokens and leaves no room for completion tokens "
+            f"within max_length={max_length}; set max_prompt_length below max_length.",
+        )
+    truncated = TokenizedPair(tuple(prompt_ids), tuple(chosen[:room]), tuple(rejected[:room]))
+    if truncated.chosen_ids == truncated.rejected_ids:
+        detail = "are identical" if chosen == rejected else f"are identical after truncation to {room} tokens"
+        raise PreferenceRowError(
+            "identical_after_truncation",
+            f"the chosen and rejected completions {detail}; the pair carries no preference signal "
+            "(drop it, or raise max_length / lower max_prompt_length if they differ later).",
+        )
+    if max_pair_tokens is not None and truncated.cost > max_pair_tokens:
+        raise PreferenceRowError(
+            "pair_too_long",
+            f"the pair costs {truncated.cost} tokens (2 x prompt + chosen + rejected), more than "
+            f"max_pair_tokens={max_pair_tokens}; lower max_length / max_prompt_length or raise the "
+            "micro-batch token budget.",
+        )
+    return truncated
+
+
+def tokenize_dataset(
+    dataset_or_rows: Iterable[Mapping[str, Any]],
+    tokenizer: Any,
+    *,
+    max_length: int,
+    max_prompt_length: int | None,
+    max_pair_tokens: int | None = None,
+    strict: bool = False,
+    keep_pairs: bool = False,
+    progress: bool | None = None,
+    desc: str = "dataset",
+) -> TokenizationResult:
+    """Normalises and tokenises every row, counting rejected rows per reason code.
+
+    Args:
+        dataset_or_rows: A ``datasets.Dataset`` or any iterable of row mappings (any supported shape).
+        tokenizer: A Hugging Face tokenizer with a chat template.
+        max_length: See :func:`tokenize_pair`.
+        max_prompt_length: See :func:`tokenize_pair`.
+        max_pair_tokens: See :func:`tokenize_pair`.
+        strict: Raise the first :class:`PreferenceRowError` (its message names the row) instead of
+            counting it.
+        keep_pairs: Also return the normalised pair of every accepted row.
+        progress: Show a tqdm bar on stderr; ``None``: only on a terminal and for at least 1000 rows.
+        desc: Label of the progress bar and prefix of the row names in messages (e.g. an input file name).
+
+    Returns:
+        A :class:`TokenizationResult`.
+
+    Example:
+        >>> rows = [{"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."}, {"prompt": "Hi"}]
+        >>> result = tokenize_dataset(rows, tok, max_length=512, max_prompt_length=256)  # doctest: +SKIP
+        >>> result.num_accepted, dict(result.rejections)  # doctest: +SKIP
+        (1, {'schema': 1})
+    """
+    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    total = (
+        len(dataset_or_rows)
+        if isinstance(dataset_or_rows, Sequence) or hasattr(dataset_or_rows, "__len__")
+        else None
+    )
+    if progress is None:
+        progress = total is not None and total >= PROGRESS_MIN_ROWS and sys.stderr.isatty()
+    features: list[dict[str, list[int]]] = []
+    row_indices: list[int] = []
+    pairs: list[PreferencePair] = []
+    rejections: Counter[str] = Counter()
+    examples: dict[str, str] = {}
+    num_rows = 0
+    for index, row in enumerate(_progress(dataset_or_rows, total, progress, desc)):
+        num_rows += 1
+        try:
+            pair = normalize_row(row)
+            tokenized = tokenize_pair(
+                pair,
+                tokenizer,
+                max_length=max_length,
+                max_prompt_length=max_prompt_length,
+                max_pair_tokens=max_pair_tokens,
+            )
+        except PreferenceRowError as exc:
+            if strict:
+                raise PreferenceRowError(exc.reason_code, f"{desc} row {index}: {exc.message}") from exc
+            rejections[exc.reason_code] += 1
+            examples.setdefault(exc.reason_code, f"{desc} row {index}: {exc.message}")
+            continue
+        features.append(tokenized.to_features())
+        row_indices.append(index)
+        if keep_pairs:
+            pairs.append(pair)
+    return TokenizationResult(
+        features, row_indices, rejections, examples, num_rows, pairs if keep_pairs else None
+    )
+
+
+def pair_costs(rows: Any) -> list[int]:
+    """Returns each pair's cost ``2 * len(prompt) + len(chosen) + len(rejected)`` of a tokenised dataset.
+
+    Args:
+        rows: A ``datasets.Dataset`` or a sequence of mappings with the ``*_input_ids`` columns.
+
+    Example:
+        >>> row = {"prompt_input_ids": [1, 2], "chosen_input_ids": [3], "rejected_input_ids": [4, 5, 6]}
+        >>> pair_costs([row])
+        [8]
+    """
+    if hasattr(rows, "column_names") and hasattr(rows, "with_format"):
+        missing = [c for c in FEATURE_COLUMNS if c not in rows.column_names]
+        if missing:
+            raise KeyError(
+                f"the dataset lacks the column(s) {missing}; tokenise it first (tokenize_dataset)."
+            )
+        import pyarrow.compute as pc
+
+        table = rows.select_columns(list(FEATURE_COLUMNS)).with_format("arrow")[:]
+        lengths = [pc.list_value_length(table[c]).to_pylist() for c in FEATURE_COLUMNS]
+        return [2 * p + c + r for p, c, r in zip(*lengths, strict=True)]
+    return [
+        2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+        for row in rows
+    ]
+
+
+def _check_lengths(max_length: int, max_prompt_length: int | None, max_pair_tokens: int | None) -> None:
+    for name, value, optional in (
+        ("max_length", max_length, False),
+        ("max_prompt_length", max_prompt_length, True),
+        ("max_pair_tokens", max_pair_tokens, True),
+    ):
+        if value is None and optional:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError("bad_length", f"{name}={value!r}: set a positive integer.")
+
+
+def _eos_token_id(tokenizer: Any) -> int:
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if not isinstance(eos, int):
+        raise ConfigError(
+            "bad_tokenizer", "the tokenizer has no eos_token_id; set eos_token in its tokenizer_config.json."
+        )
+    return eos
+
+
+@functools.lru_cache(maxsize=32)
+def _supports_sanitize(tokenizer_type: type) -> bool:
+    method = getattr(tokenizer_type, "apply_chat_template", None)
+    try:
+        return method is not None and "sanitize_control_tokens" in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _encode(
+    tokenizer: Any, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool, what: str
+) -> list[int]:
+    kwargs: dict[str, Any] = {
+        "add_generation_prompt": add_generation_prompt,
+        "tokenize": True,
+        "return_dict": False,
+    }
+    if _supports_sanitize(type(tokenizer)):
+        kwargs["sanitize_control_tokens"] = True
+    try:
+        out = tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)
+    except TemplateError as exc:
+        raise PreferenceRowError(
+            "template_error",
+            f"the chat template refused {what}: {exc}; fix the turns (e.g. roles must alternate, "
+            "or no system turn) to suit this model's template.",
+        ) from exc
+    if isinstance(out, Mapping):
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):
+        out = out[0]
+    return [int(i) for i in out]
+
+
+def _completion_ids(
+    tokenizer: Any,
+    prompt: tuple[Mapping[str, str], ...],
+    completion: tuple[Mapping[str, str], ...],
+    prompt_ids: list[int],
+    eos: int,
+    field_name: str,
+) -> list[int]:
+    full = _encode(tokenizer, prompt + completion, add_generation_prompt=False, what=f"prompt + {field_name}")
+    if full[: len(prompt_ids)] != prompt_ids:
+        raise PreferenceRowError(
+            "template_not_prefix",
+            f"the chat template renders prompt + {field_name} so that it does not start with "
+            "the rendered prompt (+ generation prompt): the template is not prefix-consistent for this row. "
+            "Use a template whose rendering of a conversation extends the rendering of its prefix.",
+        )
+    ids = full[len(prompt_ids) :]
+    if not ids:
+        raise PreferenceRowError(
+            "empty_completion",
+            f"'{field_name}' renders to no tokens after the prompt; give a non-empty assistant response.",
+        )
+    return _end_with_eos(ids, eos, tokenizer)
+
+
+def _end_with_eos(ids: list[int], eos: int, tokenizer: Any) -> list[int]:
+    """Makes ``ids`` end with EOS: drop whitespace-only tokens after the last EOS, else append EOS."""
+    if ids[-1] == eos:
+        return ids
+    if eos in ids:
+        last = len(ids) - 1 - ids[::-1].index(eos)
+        if not tokenizer.decode(ids[last + 1 :]).strip():
+            return ids[: last + 1]
+    return [*ids, eos]
+
+
+def _progress(rows: Iterable[Any], total: int | None, enabled: bool, desc: str) -> Iterable[Any]:
+    if not enabled:
+        return rows
+    from tqdm.auto import tqdm
+
+    return tqdm(rows, total=total, desc=desc, unit="row", file=sys.stderr)

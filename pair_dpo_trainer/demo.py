@@ -1,0 +1,584 @@
+"""Bundled demo assets: a tiny Llama snapshot, its tokenizer and a learnable preference data set.
+
+Everything here is generated offline and deterministically from a seed, so ``scripts/make_demo_assets.py``
+can rebuild ``pair_dpo_trainer/assets/`` byte for byte and the tests can check the committed copy against a
+fresh one.
+
+Layout written by :func:`write_demo_assets`::
+
+    assets/
+      demo_pairs.jsonl            # preference pairs, chat "messages" format
+      tiny-llama/                 # what `hf download REPO --revision DEMO_REVISION --local-dir` leaves
+        config.json  generation_config.json  model.safetensors
+        tokenizer.json  tokenizer_config.json  chat_template.jinja
+        .cache/huggingface/.gitignore  .cache/huggingface/CACHEDIR.TAG
+        .cache/huggingface/download/<file>.metadata   # commit, etag, timestamp (one per line)
+
+The JSON files are written by this module (sorted keys, no ``transformers_version``), not by
+``save_pretrained``, so the bytes do not depend on the installed transformers release. ``model.safetensors``
+comes from ``save_pretrained(safe_serialization=True)`` on weights drawn from a seeded ``torch.Generator``.
+
+Demo task design: every pair is a short list task whose chosen answer is correct and whose rejected answer
+is the same list with exactly one adjacent pair of distinct items swapped. The error is therefore local (one
+bad bigram, e.g. a descent inside an ascending run), which a tiny causal LM learns with DPO in minutes on a
+CPU.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import string
+import tempfile
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# sha1(b"pair_dpo_trainer demo snapshot: tiny-llama v1"): the "commit" the bundled snapshot is pinned at.
+DEMO_REVISION = "fc705248af39183558528d201ff358185a6d4db6"
+DEMO_SEED = 0
+DEMO_NUM_PAIRS = 2400
+# 2025-11-29T00:00:00Z. A fixed download timestamp keeps the .metadata files byte-identical across runs.
+METADATA_TIMESTAMP = 1764374400.0
+MODEL_DIR_NAME = "tiny-llama"
+PAIRS_FILE_NAME = "demo_pairs.jsonl"
+LFS_FILES = frozenset({"model.safetensors"})
+
+BOS_TOKEN, EOS_TOKEN, PAD_TOKEN, UNK_TOKEN = "<s>", "</s>", "<pad>", "<unk>"
+SPECIAL_TOKENS = (UNK_TOKEN, BOS_TOKEN, EOS_TOKEN, PAD_TOKEN)
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+MODEL_MAX_LENGTH = 512
+
+# Prefix-consistent: the prompt rendered with add_generation_prompt=True is a string prefix of the prompt plus
+# its completion, and every assistant turn ends with the EOS text. Roles: system, user, assistant only.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('demo chat template: unsupported role ' + message['role']) }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ '<|assistant|>' + message['content'] + eos_token }}"
+    "{% else %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+_MIN_ITEMS, _MAX_ITEMS = 3, 12
+_SORT_VALUES = 20  # sort tasks draw integers in [0, 20)
+_COUNT_VALUES = 100  # count tasks run inside [0, 100)
+_BASE_WORDS = tuple(str(i) for i in range(_COUNT_VALUES)) + tuple(string.ascii_lowercase)
+
+# Written by huggingface_hub next to the download metadata (Cache Directory Tagging Standard).
+_CACHEDIR_TAG = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by huggingface_hub.\n"
+    "# For information about cache directory tags, see:\n"
+    "#\thttps://bford.info/cachedir/\n"
+)
+
+
+def bundled_assets_dir() -> Path:
+    """Return the directory holding the bundled demo assets.
+
+    Returns:
+        Path: ``pair_dpo_trainer/assets``.
+    """
+    return Path(__file__).resolve().parent / "assets"
+
+
+def bundled_model_dir() -> Path:
+    """Return the bundled tiny Llama snapshot (loadable with ``from_pretrained``).
+
+    Returns:
+        Path: ``pair_dpo_trainer/assets/tiny-llama``.
+    """
+    return bundled_assets_dir() / MODEL_DIR_NAME
+
+
+def bundled_pairs_path() -> Path:
+    """Return the bundled demo preference pairs.
+
+    Returns:
+        Path: ``pair_dpo_trainer/assets/demo_pairs.jsonl``.
+    """
+    return bundled_assets_dir() / PAIRS_FILE_NAME
+
+
+# --------------------------------------------------------------------------------------------------- pairs
+
+
+def _mixed_items(rng: random.Random, pool: Sequence[str]) -> list[str]:
+    """Draw 3-12 items with replacement from ``pool``, at least two of them distinct.
+
+    Args:
+        rng: Source of randomness.
+        pool: Candidate items.
+
+    Returns:
+        list[str]: The drawn items, in draw order.
+    """
+    while True:
+        items = [rng.choice(pool) for _ in range(rng.randint(_MIN_ITEMS, _MAX_ITEMS))]
+        if len(set(items)) >= 2:
+            return items
+
+
+def _numbers(rng: random.Random) -> list[int]:
+    """Draw a list of small integers for the sort tasks (values in [0, 20), repeats allowed).
+
+    Args:
+        rng: Source of randomness.
+
+    Returns:
+        list[int]: 3-12 integers, at least two distinct.
+    """
+    return [int(x) for x in _mixed_items(rng, [str(i) for i in range(_SORT_VALUES)])]
+
+
+def _task_sort_ascending(rng: random.Random) -> tuple[str, list[str]]:
+    """Build ``sort ascending: 3 9 1 4`` -> ``1 3 4 9``."""
+    nums = _numbers(rng)
+    return "sort ascending: " + " ".join(map(str, nums)), [str(x) for x in sorted(nums)]
+
+
+def _task_sort_descending(rng: random.Random) -> tuple[str, list[str]]:
+    """Build ``sort descending: 3 9 1 4`` -> ``9 4 3 1``."""
+    nums = _numbers(rng)
+    return "sort descending: " + " ".join(map(str, nums)), [str(x) for x in sorted(nums, reverse=True)]
+
+
+def _task_alphabetize(rng: random.Random) -> tuple[str, list[str]]:
+    """Build ``alphabetize: q d m`` -> ``d m q``."""
+    letters = _mixed_items(rng, string.ascii_lowercase)
+    return "alphabetize: " + " ".join(letters), sorted(letters)
+
+
+def _count_range(rng: random.Random) -> tuple[int, int]:
+    """Draw an inclusive range ``[start, stop]`` of 3-12 integers inside [0, 100).
+
+    Args:
+        rng: Source of randomness.
+
+    Returns:
+        tuple[int, int]: ``(start, stop)`` with ``stop - start + 1`` in [3, 12].
+    """
+    length = rng.randint(_MIN_ITEMS, _MAX_ITEMS)
+    start = rng.randint(0, _COUNT_VALUES - length)
+    return start, start + length - 1
+
+
+def _task_count_up(rng: random.Random) -> tuple[str, list[str]]:
+    """Build ``count up: 4 to 8`` -> ``4 5 6 7 8``."""
+    start, stop = _count_range(rng)
+    return f"count up: {start} to {stop}", [str(x) for x in range(start, stop + 1)]
+
+
+def _task_count_down(rng: random.Random) -> tuple[str, list[str]]:
+    """Build ``count down: 8 to 4`` -> ``8 7 6 5 4``."""
+    start, stop = _count_range(rng)
+    return f"count down: {stop} to {start}", [str(x) for x in range(stop, start - 1, -1)]
+
+
+DemoTask = Callable[[random.Random], tuple[str, list[str]]]
+DEMO_TASKS: tuple[DemoTask, ...] = (
+    _task_sort_ascending,
+    _task_sort_descending,
+    _task_alphabetize,
+    _task_count_up,
+    _task_count_down,
+)
+
+
+def _swap_one_adjacent(rng: random.Random, items: Sequence[str]) -> list[str]:
+    """Return ``items`` with one adjacent pair of distinct items swapped (the rejected answer).
+
+    Args:
+        rng: Source of randomness.
+        items: The correct answer; holds at least two distinct neighbours.
+
+    Returns:
+        list[str]: A copy of ``items`` that differs from it at exactly two neighbouring positions.
+    """
+    positions = [j for j in range(len(items) - 1) if items[j] != items[j + 1]]
+    j = rng.choice(positions)
+    swapped = list(items)
+    swapped[j], swapped[j + 1] = swapped[j + 1], swapped[j]
+    return swapped
+
+
+def _pair_row(prompt: str, chosen: str, rejected: str) -> dict:
+    """Wrap one pair in the chat ``messages`` row format.
+
+    Returns:
+        dict: ``{"prompt": [user msg], "chosen": [assistant msg], "rejected": [assistant msg]}``.
+    """
+    return {
+        "prompt": [{"role": "user", "content": prompt}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+def generate_demo_pairs(seed: int = DEMO_SEED, n: int = DEMO_NUM_PAIRS) -> list[dict]:
+    """Generate deterministic, learnable preference pairs with unique prompts.
+
+    Tasks rotate over :data:`DEMO_TASKS`; the rejected answer is the chosen one with one adjacent swap.
+
+    Args:
+        seed: Seed of the ``random.Random`` that draws every list.
+        n: Number of pairs.
+
+    Returns:
+        list[dict]: ``n`` rows ``{"prompt", "chosen", "rejected"}``, each a list of ``{"role", "content"}``
+            dicts.
+
+    Raises:
+        ValueError: If ``n`` unique prompts cannot be drawn (``n`` far beyond the task space).
+    """
+    rng = random.Random(seed)
+    rows: list[dict] = []
+    seen: set[str] = set()
+    for _ in range(100 * max(n, 1)):
+        if len(rows) == n:
+            return rows
+        prompt, chosen = DEMO_TASKS[len(rows) % len(DEMO_TASKS)](rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        rows.append(_pair_row(prompt, " ".join(chosen), " ".join(_swap_one_adjacent(rng, chosen))))
+    raise ValueError(f"could not draw {n} unique demo prompts (got {len(rows)})")
+
+
+def pair_texts(rows: Iterable[Mapping]) -> list[str]:
+    """Collect every message content of the rows (the tokenizer's training texts).
+
+    Args:
+        rows: Rows in the chat ``messages`` format.
+
+    Returns:
+        list[str]: Contents of all prompt, chosen and rejected messages, in row order.
+    """
+    return [msg["content"] for row in rows for key in ("prompt", "chosen", "rejected") for msg in row[key]]
+
+
+# ----------------------------------------------------------------------------------------------- tokenizer
+
+
+def _content_vocab(texts: Iterable[str]) -> list[str]:
+    """Return the sorted word vocabulary: base words (0-99, a-z) plus every pre-token of ``texts``.
+
+    Args:
+        texts: Training texts.
+
+    Returns:
+        list[str]: Sorted unique words, special and role tokens excluded.
+    """
+    splitter = pre_tokenizers.Whitespace()
+    words = set(_BASE_WORDS)
+    for text in texts:
+        words.update(word for word, _ in splitter.pre_tokenize_str(text))
+    return sorted(words - set(SPECIAL_TOKENS) - set(ROLE_TOKENS))
+
+
+def build_demo_backend(texts: Iterable[str]) -> Tokenizer:
+    """Build the raw ``tokenizers`` word-level tokenizer (deterministic, offline).
+
+    Ids: ``<unk>``=0, ``<s>``=1, ``</s>``=2, ``<pad>``=3, role markers 4-6, then the sorted words. Role
+    markers are special added tokens, so they never merge with content. No post-processor: the chat template
+    emits ``<s>``.
+
+    Args:
+        texts: Training texts (message contents).
+
+    Returns:
+        tokenizers.Tokenizer: WordLevel model with a ``Whitespace`` pre-tokenizer.
+    """
+    tokens = (*SPECIAL_TOKENS, *ROLE_TOKENS, *_content_vocab(texts))
+    backend = Tokenizer(models.WordLevel({tok: i for i, tok in enumerate(tokens)}, unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in SPECIAL_TOKENS])
+    backend.add_special_tokens([AddedToken(tok, special=True, normalized=False) for tok in ROLE_TOKENS])
+    return backend
+
+
+def tokenizer_config() -> dict:
+    """Return the ``tokenizer_config.json`` content (fixed; no transformers version inside).
+
+    Returns:
+        dict: Special tokens, ``model_max_length`` and the tokenizer class.
+    """
+    return {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "backend": "tokenizers",
+        "bos_token": BOS_TOKEN,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": EOS_TOKEN,
+        "extra_special_tokens": list(ROLE_TOKENS),
+        "model_max_length": MODEL_MAX_LENGTH,
+        "pad_token": PAD_TOKEN,
+        "padding_side": "right",
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": UNK_TOKEN,
+    }
+
+
+def build_demo_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """Build the demo tokenizer: word-level, special tokens set, chat template set, max length 512.
+
+    Args:
+        texts: Training texts (message contents), e.g. ``pair_texts(generate_demo_pairs())``.
+
+    Returns:
+        PreTrainedTokenizerFast: Ready for ``apply_chat_template``.
+    """
+    config = tokenizer_config()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=build_demo_backend(texts),
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        extra_special_tokens=list(ROLE_TOKENS),
+        model_max_length=MODEL_MAX_LENGTH,
+        padding_side=config["padding_side"],
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- model
+
+
+def model_config(vocab_size: int) -> dict:
+    """Return the ``config.json`` content of the tiny Llama (fixed keys; no transformers version).
+
+    Args:
+        vocab_size: Tokenizer vocabulary size V.
+
+    Returns:
+        dict: Llama config: hidden 128, 4 layers, 4 heads, 2 KV heads (GQA), intermediate 256, untied head.
+    """
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "dtype": "float32",
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "hidden_size": 128,
+        "initializer_range": 0.02,
+        "intermediate_size": 256,
+        "max_position_embeddings": MODEL_MAX_LENGTH,
+        "mlp_bias": False,
+        "model_type": "llama",
+        "num_attention_heads": 4,
+        "num_hidden_layers": 4,
+        "num_key_value_heads": 2,
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+        "rms_norm_eps": 1e-06,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+
+
+def generation_config() -> dict:
+    """Return the ``generation_config.json`` content (fixed; no transformers version).
+
+    Returns:
+        dict: BOS/EOS/PAD token ids.
+    """
+    return {
+        "bos_token_id": SPECIAL_TOKENS.index(BOS_TOKEN),
+        "eos_token_id": SPECIAL_TOKENS.index(EOS_TOKEN),
+        "pad_token_id": SPECIAL_TOKENS.index(PAD_TOKEN),
+    }
+
+
+@torch.no_grad()
+def _seeded_init(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Overwrite every parameter from one seeded CPU generator, in sorted name order.
+
+    Matrices get N(0, std^2), vectors (RMSNorm scales) get ones; independent of transformers' own init order.
+
+    Args:
+        model: Model to initialise in place.
+        seed: Generator seed.
+        std: Standard deviation of the matrix entries.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        if param.ndim == 1:
+            param.fill_(1.0)
+        else:
+            noise = torch.randn(param.shape, generator=generator, dtype=torch.float32) * std
+            param.copy_(noise.to(param.device))
+
+
+def build_demo_model(vocab_size: int, seed: int = DEMO_SEED) -> LlamaForCausalLM:
+    """Build the tiny random-init Llama (float32, CPU).
+
+    Args:
+        vocab_size: Vocabulary size V (embedding and LM-head rows).
+        seed: Weight seed; same seed -> identical weights.
+
+    Returns:
+        LlamaForCausalLM: Logits ``[B, T, V]`` for ``input_ids [B, T]``.
+    """
+    config_dict = model_config(vocab_size)
+    config = LlamaConfig(**{k: v for k, v in config_dict.items() if k != "dtype"})
+    model = LlamaForCausalLM(config).to(torch.float32)
+    _seeded_init(model, seed, config_dict["initializer_range"])
+    return model.eval()
+
+
+# ------------------------------------------------------------------------------------------------- writing
+
+
+def _json_bytes(obj: object) -> bytes:
+    """Serialise JSON deterministically: sorted keys, 2-space indent, ASCII, trailing newline."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=True) + "\n").encode("ascii")
+
+
+def pairs_jsonl_bytes(rows: Iterable[Mapping]) -> bytes:
+    """Serialise rows as JSON Lines: one sorted-keys ASCII object per line, ``\\n`` line ends.
+
+    Args:
+        rows: Preference rows.
+
+    Returns:
+        bytes: The ``demo_pairs.jsonl`` content.
+    """
+    return "".join(json.dumps(row, sort_keys=True, ensure_ascii=True) + "\n" for row in rows).encode("ascii")
+
+
+def _safetensors_bytes(model: LlamaForCausalLM) -> bytes:
+    """Return the bytes ``save_pretrained(safe_serialization=True)`` writes to ``model.safetensors``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        return (Path(tmp) / "model.safetensors").read_bytes()
+
+
+def snapshot_files(seed: int = DEMO_SEED, rows: Sequence[Mapping] | None = None) -> dict[str, bytes]:
+    """Build every file of the tiny-llama snapshot (without the ``.cache`` metadata).
+
+    Args:
+        seed: Weight seed (and pair seed when ``rows`` is None).
+        rows: Pairs whose texts train the tokenizer; defaults to ``generate_demo_pairs(seed)``.
+
+    Returns:
+        dict[str, bytes]: Repo-relative file name -> content.
+    """
+    rows = generate_demo_pairs(seed) if rows is None else rows
+    backend = build_demo_backend(pair_texts(rows))
+    vocab_size = backend.get_vocab_size(with_added_tokens=True)
+    return {
+        "chat_template.jinja": CHAT_TEMPLATE.encode("ascii"),
+        "config.json": _json_bytes(model_config(vocab_size)),
+        "generation_config.json": _json_bytes(generation_config()),
+        "model.safetensors": _safetensors_bytes(build_demo_model(vocab_size, seed)),
+        "tokenizer.json": _json_bytes(json.loads(backend.to_str())),
+        "tokenizer_config.json": _json_bytes(tokenizer_config()),
+    }
+
+
+def git_blob_sha1(data: bytes) -> str:
+    """Return the Git blob id of ``data`` (what ``git hash-object`` prints; the Hub etag of non-LFS files).
+
+    Args:
+        data: File content.
+
+    Returns:
+        str: 40 lowercase hex digits.
+    """
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def hub_etag(filename: str, data: bytes) -> str:
+    """Return the Hub etag of a file: sha256 for LFS files, the Git blob SHA-1 otherwise.
+
+    Args:
+        filename: Repo-relative file name.
+        data: File content.
+
+    Returns:
+        str: Hex digest (64 chars for LFS, 40 otherwise).
+    """
+    return hashlib.sha256(data).hexdigest() if filename in LFS_FILES else git_blob_sha1(data)
+
+
+def download_metadata_files(files: Mapping[str, bytes], revision: str = DEMO_REVISION) -> dict[str, bytes]:
+    """Build the ``.cache/huggingface`` tree ``hf download --local-dir`` leaves next to ``files``.
+
+    Matches ``huggingface_hub._local_folder.write_download_metadata``: one
+    ``f"{commit}\\n{etag}\\n{timestamp}\\n"`` per file (timestamp fixed to :data:`METADATA_TIMESTAMP`), plus
+    ``.gitignore`` (``*``) and ``CACHEDIR.TAG``. The ``.lock`` files the real writer leaves behind are not
+    written.
+
+    Args:
+        files: Repo-relative file name -> content.
+        revision: 40-hex commit recorded in every metadata file.
+
+    Returns:
+        dict[str, bytes]: Path relative to the snapshot directory -> content.
+    """
+    out = {
+        ".cache/huggingface/.gitignore": b"*",
+        ".cache/huggingface/CACHEDIR.TAG": _CACHEDIR_TAG.encode("ascii"),
+    }
+    for name in sorted(files):
+        text = f"{revision}\n{hub_etag(name, files[name])}\n{METADATA_TIMESTAMP!r}\n"
+        out[f".cache/huggingface/download/{name}.metadata"] = text.encode("ascii")
+    return out
+
+
+def demo_asset_files(seed: int = DEMO_SEED, n: int = DEMO_NUM_PAIRS) -> dict[str, bytes]:
+    """Build the whole asset tree in memory.
+
+    Args:
+        seed: Seed for pairs and weights.
+        n: Number of pairs.
+
+    Returns:
+        dict[str, bytes]: Path relative to ``assets/`` -> content, sorted by path.
+    """
+    rows = generate_demo_pairs(seed, n)
+    snapshot = snapshot_files(seed, rows)
+    snapshot.update(download_metadata_files(snapshot))
+    files = {f"{MODEL_DIR_NAME}/{name}": data for name, data in snapshot.items()}
+    files[PAIRS_FILE_NAME] = pairs_jsonl_bytes(rows)
+    return dict(sorted(files.items()))
+
+
+def write_demo_assets(output_dir: str | Path, seed: int = DEMO_SEED, n: int = DEMO_NUM_PAIRS) -> list[Path]:
+    """Regenerate the asset tree into ``output_dir`` (the old snapshot directory is replaced).
+
+    Args:
+        output_dir: Target directory, e.g. :func:`bundled_assets_dir`.
+        seed: Seed for pairs and weights.
+        n: Number of pairs.
+
+    Returns:
+        list[Path]: Written files, sorted.
+    """
+    output_dir = Path(output_dir)
+    files = demo_asset_files(seed, n)
+    shutil.rmtree(output_dir / MODEL_DIR_NAME, ignore_errors=True)
+    written = []
+    for rel, data in files.items():
+        path = output_dir / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written.append(path)
+    return written

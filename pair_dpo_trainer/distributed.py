@@ -1,0 +1,47 @@
+"""Cross-rank agreement checks over a CPU (gloo) group: a disagreement is an error on every rank, never a hang.
+
+Ranks that disagree about the schedule would run different numbers of forwards and backwards; under ZeRO-3 that
+deadlocks inside a collective. These checks run once before the first step, on the CPU, with a timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+
+import torch.distributed as dist
+
+from pair_dpo_trainer.errors import ScheduleError
+
+AGREEMENT_TIMEOUT = datetime.timedelta(seconds=120)
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_group():
+    """A gloo group over all ranks (the default group when it already is gloo). Collective: call on every rank."""
+    if dist.get_backend() == "gloo":
+        return dist.group.WORLD
+    return dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)
+
+
+def assert_ranks_agree(what: str, value: str) -> None:
+    """Raises ``ScheduleError('ranks_disagree')`` on every rank unless all ranks pass the same ``value``.
+
+    Args:
+        what: Name of the compared quantity, for the message (e.g. ``"train schedule"``).
+        value: A short string (typically a digest) that must be identical on all ranks.
+
+    A single process returns at once.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    values: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=_cpu_group())
+    if len(set(values)) != 1:
+        listing = ", ".join(f"rank {rank}: {v}" for rank, v in enumerate(values))
+        raise ScheduleError(
+            "ranks_disagree",
+            f"the ranks disagree about the {what} ({listing}). Every rank must load the same dataset (same files, "
+            "same preprocessing) with the same seed, batch size and gradient_accumulation_steps; otherwise they would "
+            "run different numbers of forwards and hang.",
+        )

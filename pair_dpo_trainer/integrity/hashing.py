@@ -1,0 +1,206 @@
+"""Streaming, bounded-memory, multi-threaded file hashing for snapshot verification.
+
+Two digests are used by the Hugging Face Hub as file etags:
+
+* ``"git"``: the Git blob SHA-1 of a regular Git file, ``sha1(b"blob <size>\\0" + bytes)`` (40 hex digits);
+* ``"lfs"``: the SHA-256 of an LFS file's content (64 hex digits).
+
+Files are read with ``readinto`` into one reusable buffer per thread (``CHUNK_SIZE`` bytes), so memory
+stays bounded whatever the file size; ``hashlib`` releases the GIL on large buffers, so files hash in
+parallel threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+
+from pair_dpo_trainer.errors import SnapshotIntegrityError
+
+CHUNK_SIZE = 8 * 1024 * 1024
+"""Bytes read per ``readinto`` call (and size of each thread's reusable buffer)."""
+
+KIND_BY_ETAG_LENGTH = {40: "git", 64: "lfs"}
+"""Digest kind implied by the length of a hexadecimal etag."""
+
+ProgressFn = Callable[[int, int], None]
+"""``progress(bytes_just_hashed, total_bytes)``; called from worker threads, serialised by a lock."""
+
+_local = threading.local()
+
+
+class HashCancelled(Exception):
+    """Raised inside a worker when another file already failed and the run stops early."""
+
+
+@dataclass(frozen=True)
+class HashJob:
+    """One file to hash and compare.
+
+    Attributes:
+        rel: Path relative to the snapshot root (reported in errors).
+        path: Absolute path to open.
+        kind: ``"git"`` or ``"lfs"``.
+        expected: Expected lowercase hex digest (the etag).
+        size: Size seen before hashing (used for scheduling and progress only, never as evidence).
+    """
+
+    rel: str
+    path: Path
+    kind: str
+    expected: str
+    size: int
+
+
+def _buffer(chunk_size: int) -> memoryview:
+    """Returns this thread's reusable buffer of ``chunk_size`` bytes."""
+    view = getattr(_local, "view", None)
+    if view is None or len(view) != chunk_size:
+        view = memoryview(bytearray(chunk_size))
+        _local.view = view
+    return view
+
+
+def new_hasher(kind: str, size: int) -> hashlib._Hash:
+    """Returns a hash object primed for ``kind``.
+
+    Args:
+        kind: ``"git"`` (Git blob SHA-1, the header needs ``size``) or ``"lfs"`` (SHA-256).
+        size: Number of content bytes that will follow.
+
+    Raises:
+        ValueError: Unknown kind.
+    """
+    if kind == "git":
+        return hashlib.sha1(b"blob %d\0" % size)
+    if kind == "lfs":
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest kind {kind!r}")
+
+
+def hash_file(
+    path: str | os.PathLike[str],
+    kind: str,
+    *,
+    chunk_size: int = CHUNK_SIZE,
+    on_bytes: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[str, int]:
+    """Hashes one file in fixed-size chunks with bounded memory.
+
+    Args:
+        path: File to read (symlinks are followed).
+        kind: ``"git"`` or ``"lfs"``.
+        chunk_size: Bytes per read.
+        on_bytes: Called with the number of bytes of each chunk read.
+        stop: When set by another thread, hashing stops with ``HashCancelled``.
+
+    Returns:
+        ``(hex_digest, bytes_read)``. For ``"git"`` the header uses the size at open time, so a file that
+        changes size while it is read cannot match its etag.
+
+    Raises:
+        OSError: The file cannot be opened or read, or is not a regular file.
+        HashCancelled: ``stop`` was set.
+    """
+    view = _buffer(chunk_size)
+    with open(path, "rb", buffering=0) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        hasher = new_hasher(kind, info.st_size)
+        total = 0
+        while True:
+            if stop is not None and stop.is_set():
+                raise HashCancelled(str(path))
+            n = f.readinto(view)
+            if not n:
+                break
+            hasher.update(view[:n])
+            total += n
+            if on_bytes is not None:
+                on_bytes(n)
+    return hasher.hexdigest(), total
+
+
+def default_threads(n_files: int) -> int:
+    """Default worker count: one per CPU core, at most 32, at most one per file, at least 1."""
+    return max(1, min(32, os.cpu_count() or 1, n_files))
+
+
+def _check_one(job: HashJob, on_bytes: Callable[[int], None], stop: threading.Event) -> tuple[str, int]:
+    """Hashes ``job`` and compares it to its etag; raises ``SnapshotIntegrityError`` on any failure."""
+    try:
+        digest, size = hash_file(job.path, job.kind, on_bytes=on_bytes, stop=stop)
+    except FileNotFoundError as exc:
+        raise SnapshotIntegrityError(
+            "file_missing", f"file vanished while verifying: {exc}", job.rel
+        ) from exc
+    except OSError as exc:
+        raise SnapshotIntegrityError("unreadable_file", f"cannot read file: {exc}", job.rel) from exc
+    if digest != job.expected:
+        algo = "Git blob SHA-1" if job.kind == "git" else "SHA-256"
+        raise SnapshotIntegrityError(
+            "hash_mismatch",
+            f"{algo} of the bytes is {digest}, metadata etag is {job.expected}",
+            job.rel,
+        )
+    return digest, size
+
+
+def verify_hashes(
+    jobs: Sequence[HashJob],
+    *,
+    threads: int | None = None,
+    progress: ProgressFn | None = None,
+) -> list[tuple[str, int]]:
+    """Hashes every job in parallel threads and checks it against its expected digest.
+
+    Largest files are started first (better balance across threads). On the first failure the other workers
+    stop at their next chunk and that failure is raised (the smallest path among simultaneous failures).
+
+    Args:
+        jobs: Files to hash.
+        threads: Worker threads; ``None`` picks ``default_threads``.
+        progress: Optional ``progress(delta_bytes, total_bytes)`` callback.
+
+    Returns:
+        ``(digest, size)`` per job, in the order of ``jobs``.
+
+    Raises:
+        SnapshotIntegrityError: ``hash_mismatch``, ``file_missing`` or ``unreadable_file``.
+        ValueError: ``threads`` is not positive.
+    """
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    workers = default_threads(len(jobs)) if threads is None else min(threads, max(1, len(jobs)))
+    total = sum(job.size for job in jobs)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def on_bytes(n: int) -> None:
+        if progress is not None:
+            with lock:
+                progress(n, total)
+
+    order = sorted(range(len(jobs)), key=lambda i: (-jobs[i].size, jobs[i].rel))
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pair-dpo-hash") as pool:
+        futures = {i: pool.submit(_check_one, jobs[i], on_bytes, stop) for i in order}
+        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+        failed = sorted(
+            (jobs[i].rel, f) for i, f in futures.items() if f in done and f.exception() is not None
+        )
+        if failed:
+            stop.set()
+            for future in futures.values():
+                future.cancel()
+            raise failed[0][1].exception()  # type: ignore[misc]
+    return [futures[i].result() for i in range(len(jobs))]

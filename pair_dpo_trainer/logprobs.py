@@ -1,0 +1,292 @@
+"""Per-sequence log-probabilities of completions, for packed rows (chunked) and padded rows (reference).
+
+The packed path never materialises ``[T, V]`` logits: the final hidden states of the scored positions only
+(``batch.completion_positions``, usually well under half of the row) are projected onto the vocabulary
+``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
+log-sum-exps and recomputes each chunk's logits in backward. Peak extra memory is about
+``chunk_size * V * (2 + 4 + 4)`` bytes for bf16 weights, plus a float32 ``[V, H]`` gradient accumulator in
+backward when the head weight is bf16/fp16.
+
+The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
+sums use ``index_add`` with ``sequence_index``.
+
+Wrappers and ZeRO-3: the forward runs through the (possibly wrapped) top-level model, so DDP / DeepSpeed
+forward hooks fire, with ``logits_to_keep`` set to an empty index (the model's own ``lm_head`` call sees 0
+rows); the final hidden states are captured by a forward hook on ``model.get_decoder()``. When the head weight
+is a partitioned ZeRO-3 parameter (it has ``ds_id``), the head is called as a module per chunk under
+``torch.utils.checkpoint`` so that DeepSpeed gathers it; that branch is not exercised by the CPU tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.utils.checkpoint import checkpoint
+
+from pair_dpo_trainer.collators.packed import CHOSEN, IGNORE_INDEX, REJECTED, PackedPairBatch
+from pair_dpo_trainer.collators.padded import PaddedPairBatch
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs, unwrap_model
+
+DEFAULT_CHUNK_SIZE = 4096
+"""Rows of hidden states projected onto the vocabulary at once."""
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of log-probs and accumulators: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[c, H] x [V, H] -> [c, V]`` logits in the input dtype (as the model's head), cast to ``dtype``."""
+    return (hidden @ weight.t()).to(dtype)
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` chunk by chunk; backward recomputes each chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+        dtype = _acc_dtype(hidden.dtype)
+        total = hidden.shape[0]
+        logps = hidden.new_empty(total, dtype=dtype)
+        lse = hidden.new_empty(total, dtype=dtype)
+        for start in range(0, total, chunk_size):
+            end = min(start + chunk_size, total)
+            logits = _chunk_logits(hidden[start:end], weight, dtype)
+            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            logps[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+            del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size = chunk_size
+        return logps
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logps: torch.Tensor):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        dtype = lse.dtype
+        grad_logps = grad_logps.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            grad = grad_logps[start:end, None]
+            # d logp_t / d logits = onehot(t) - softmax(logits), scaled by the incoming gradient.
+            dlogits = _chunk_logits(hidden[start:end], weight, dtype).sub_(lse[start:end, None]).exp_()
+            dlogits.mul_(-grad).scatter_add_(1, targets[start:end, None], grad)
+            dlogits = dlogits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = dlogits @ weight
+            if grad_weight is not None and dlogits.dtype == dtype:
+                grad_weight.addmm_(dlogits.t(), hidden[start:end])
+            elif grad_weight is not None:
+                grad_weight += (dlogits.t() @ hidden[start:end]).to(dtype)
+            del dlogits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Log-probability of each target token, computed ``chunk_size`` rows at a time.
+
+    No ``[N, V]`` tensor exists in forward or backward; only ``[chunk_size, V]`` temporaries.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (any float dtype; cast to ``weight.dtype``).
+        weight: ``[V, H]`` output-embedding (LM head) weight.
+        targets: ``[N]`` int64 target ids, all in ``[0, V)`` (not checked: no host sync).
+        chunk_size: Rows per chunk (need not divide ``N``).
+
+    Returns:
+        ``[N]`` log-probs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden``
+        and ``weight``.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _ChunkedTokenLogps.apply(hidden.to(weight.dtype), weight, targets, int(chunk_size))
+
+
+def naive_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`chunked_token_logps`: full ``[N, V]`` logits, ``log_softmax`` and ``gather``.
+
+    Args:
+        hidden: ``[N, H]``.
+        weight: ``[V, H]``.
+        targets: ``[N]`` int64.
+
+    Returns:
+        ``[N]`` log-probs, float32 (float64 for float64 inputs).
+    """
+    logits = F.linear(hidden.to(weight.dtype), weight).to(_acc_dtype(weight.dtype))
+    return logits.log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def _head_chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).to(_acc_dtype(hidden.dtype))
+    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+
+
+def module_chunked_token_logps(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """As :func:`chunked_token_logps`, but calling ``head`` as a module per chunk under checkpointing.
+
+    Slower (autograd re-runs each chunk's forward in backward) but lets wrappers that hook module calls, such
+    as DeepSpeed ZeRO-3, gather a partitioned head weight. Shapes and dtypes as :func:`chunked_token_logps`.
+    """
+    outputs = [
+        checkpoint(
+            _head_chunk_logps,
+            head,
+            hidden[s : s + chunk_size],
+            targets[s : s + chunk_size],
+            use_reentrant=False,
+        )
+        for s in range(0, hidden.shape[0], chunk_size)
+    ]
+    return torch.cat(outputs) if outputs else hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype))
+
+
+def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the LM head of ``model`` after checking that logits are a plain ``hidden @ weight.T``.
+
+    Raises:
+        ConfigError: ``logit_transform_unsupported`` when the config soft-caps or scales the final logits
+            (Gemma2/3 ``final_logit_softcapping``, Cohere ``logit_scale``, Granite ``logits_scaling``) or the
+            head has a bias: the chunked path would silently compute different values.
+    """
+    target = unwrap_model(model)
+    config = target.config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        neutral = value is None or (name != "final_logit_softcapping" and float(value) == 1.0)
+        if not neutral:
+            raise ConfigError(
+                "logit_transform_unsupported",
+                f"{type(target).__name__} sets config.{name}={value!r}; chunked log-probs do not support it",
+            )
+    head = target.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ConfigError("logit_transform_unsupported", f"{type(target).__name__} has no linear output head")
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError("logit_transform_unsupported", "an LM head with a bias is not supported yet")
+    return head
+
+
+def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torch.Tensor:
+    """Run the packed forward and return the final (post-norm) hidden states ``[1, T, H]``.
+
+    The call goes through ``model`` itself (wrappers included) with ``use_cache=False``, varlen boundaries and
+    an empty ``logits_to_keep``; the hidden states come from a forward hook on ``get_decoder()``.
+
+    Raises:
+        ConfigError: ``attn_not_varlen`` unless the model uses ``pair_varlen`` (or a transformers flash
+            implementation, which also honours ``cu_seq_lens_q``): other implementations would let packed
+            sequences attend to each other or build a dense ``[T, T]`` mask.
+    """
+    target = unwrap_model(model)
+    implementation = str(target.config._attn_implementation)
+    if implementation != PAIR_VARLEN and not implementation.startswith("flash_attention"):
+        raise ConfigError(
+            "attn_not_varlen",
+            f"packed forwards need attn_implementation={PAIR_VARLEN!r} (enable_pair_varlen(model)), "
+            f"got {implementation!r}",
+        )
+    captured: list[torch.Tensor] = []
+
+    def _capture(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = target.get_decoder().register_forward_hook(_capture)
+    try:
+        no_logits = torch.empty(0, dtype=torch.int64, device=batch.input_ids.device)
+        model(**packed_forward_kwargs(batch), logits_to_keep=no_logits)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+def packed_sequence_logps(
+    model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Per-sequence sums of completion-token log-probs for a packed row.
+
+    Args:
+        model: Causal LM with ``attn_implementation="pair_varlen"`` (policy or reference; wrappers allowed).
+        batch: Packed micro-batch on the model's device.
+        chunk_size: Scored tokens projected onto the vocabulary at once.
+
+    Returns:
+        ``[2n]`` float32 log-probs in sequence order (chosen, rejected, chosen, ...); see
+        :func:`split_pair_logps`.
+
+    Raises:
+        ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
+    """
+    head = check_supported_head(model)
+    hidden = packed_hidden_states(model, batch)
+    positions = batch.completion_positions
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+    targets = batch.labels.reshape(-1).index_select(0, positions)
+    sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
+    if hasattr(
+        head.weight, "ds_id"
+    ):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
+        token_logps = module_chunked_token_logps(head, rows, targets, chunk_size)
+    else:
+        token_logps = chunked_token_logps(rows, head.weight, targets, chunk_size)
+    sums = token_logps.new_zeros(batch.pair_index.shape[0])
+    return sums.index_add(0, sequences, token_logps)
+
+
+def padded_sequence_logps(model: torch.nn.Module, batch: PaddedPairBatch) -> torch.Tensor:
+    """Reference path: full logits of ``2n`` padded rows, ``log_softmax``, masked sum per row.
+
+    Args:
+        model: Causal LM with any attention implementation that honours a 2D ``attention_mask`` (sdpa, eager).
+        batch: Padded micro-batch on the model's device.
+
+    Returns:
+        ``[2n]`` float32 log-probs in the same order as :func:`packed_sequence_logps`.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logps = logits.to(_acc_dtype(logits.dtype)).log_softmax(dim=-1)
+    targets = batch.labels.clamp(min=0)[..., None]
+    token_logps = logps.gather(-1, targets).squeeze(-1)
+    return (token_logps * batch.completion_mask).sum(dim=-1)
+
+
+def split_pair_logps(seq_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``[2n]`` per-sequence log-probs into ``(chosen [n], rejected [n])`` (views, no copy).
+
+    The collators order sequences pair by pair with ``branch == [0, 1, 0, 1, ...]`` (chosen first), so the
+    chosen values are the even entries and the rejected ones the odd entries.
+    """
+    if seq_logps.ndim != 1 or seq_logps.shape[0] % 2:
+        raise ValueError(f"expected [2n] per-sequence log-probs, got shape {tuple(seq_logps.shape)}")
+    pairs = seq_logps.view(-1, 2)
+    return pairs[:, CHOSEN], pairs[:, REJECTED]
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "IGNORE_INDEX",
+    "check_supported_head",
+    "chunked_token_logps",
+    "module_chunked_token_logps",
+    "naive_token_logps",
+    "packed_hidden_states",
+    "packed_sequence_logps",
+    "padded_sequence_logps",
+    "split_pair_logps",
+]

@@ -1,0 +1,369 @@
+"""Varlen attention for packed rows, registered in transformers as ``attn_implementation="pair_varlen"``.
+
+How it plugs into transformers 5.x (checked in 5.17 and 5.24):
+
+* ``AttentionInterface.register("pair_varlen", pair_varlen_attention_forward)`` makes the name valid for
+  ``model.set_attn_implementation`` / ``from_pretrained(attn_implementation=...)``; every attention layer of
+  Llama, Qwen2, Qwen3, Mistral, ... then calls our function with ``query/key/value`` of shape
+  ``[B, H, T, D]`` and, as keyword arguments, whatever extra keywords the model's ``forward`` received: we
+  pass ``cu_seq_lens_q/k`` and ``max_length_q/k`` (see :func:`packed_forward_kwargs`).
+* No function is registered in ``AttentionMaskInterface`` on purpose:
+  ``masking_utils._preprocess_mask_arguments`` returns early with mask ``None`` for an implementation that has
+  no mask function, so no ``[T, T]`` mask is built and ``find_packed_sequence_indices`` (which syncs with the
+  device) never runs. The flip side: transformers drops a 2D ``attention_mask`` for this implementation, so
+  packed rows must never rely on one (right-padded rows stay correct: each row is then one causal sequence).
+
+Backends (:func:`select_attn_backend`):
+
+* ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, when the package imports).
+* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA only: on CPU torch 2.13 it
+  raises ``NotImplementedError`` for ``aten::_flash_attention_forward``), fp16/bf16.
+* ``sdpa_segments``: ``scaled_dot_product_attention`` once per ``cu_seqlens`` segment with ``is_causal=True``.
+  Exact and mask-free (a sliding window builds a ``[L, L]`` band mask for a segment longer than the window,
+  never a ``[T, T]`` one). It reads the segment bounds on the host (``tolist``), so on CUDA it syncs once per
+  layer: the CPU and fallback path.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from pair_dpo_trainer.errors import ConfigError
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.collators.packed import PackedPairBatch
+
+logger = logging.getLogger(__name__)
+
+PAIR_VARLEN = "pair_varlen"
+"""The ``attn_implementation`` name registered in transformers' ``AttentionInterface``."""
+
+BACKENDS = ("flash_attn", "torch_varlen", "sdpa_segments")
+"""Concrete backends, best first; ``"auto"`` picks the first available one."""
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_BACKEND_ATTR = "_pair_varlen_backend"
+_logged_auto: set[tuple[str, str]] = set()
+
+
+@functools.lru_cache(maxsize=1)
+def _flash_attn_varlen_func() -> Callable[..., torch.Tensor] | None:
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except Exception:  # noqa: BLE001 - missing package or a broken build (ABI mismatch): both mean unavailable
+        return None
+    return flash_attn_varlen_func
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_varlen_attn() -> tuple[Callable[..., torch.Tensor], bool] | None:
+    """``(varlen_attn, accepts_enable_gqa)`` or None. Imported only when a CUDA device asks for it."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype | None) -> str | None:
+    """Why ``backend`` cannot run on ``device`` / ``dtype``, or None when it can."""
+    if backend == "sdpa_segments":
+        return None
+    if device.type != "cuda":
+        return f"{backend} needs a CUDA device, got {device}"
+    if dtype is not None and dtype not in _KERNEL_DTYPES:
+        return f"{backend} needs fp16/bf16 activations, got {dtype}"
+    if backend == "flash_attn":
+        return None if _flash_attn_varlen_func() is not None else "the flash_attn package does not import"
+    if _torch_varlen_attn() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    return None
+
+
+def select_attn_backend(
+    requested: str = "auto", device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> str:
+    """Resolve an attention backend name for ``device`` (and optionally the activation ``dtype``).
+
+    Args:
+        requested: ``"auto"``, ``"flash_attn"``, ``"torch_varlen"`` or ``"sdpa_segments"``.
+        device: Device the attention runs on (default: CUDA if available, else CPU).
+        dtype: Activation dtype, if known: the CUDA kernels need fp16/bf16.
+
+    Returns:
+        One of :data:`BACKENDS`. ``"auto"`` picks the first available one and logs the choice once per
+        device type.
+
+    Raises:
+        ConfigError: ``unknown_attn_backend`` for a name not listed above; ``attn_backend_unavailable`` when
+            an explicitly requested backend cannot run here.
+    """
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if requested == "auto":
+        choice = next(b for b in BACKENDS if _unavailable_reason(b, device, dtype) is None)
+        if (device.type, choice) not in _logged_auto:
+            _logged_auto.add((device.type, choice))
+            logger.info("pair_varlen attention: auto-selected backend %r on %s", choice, device.type)
+        return choice
+    if requested not in BACKENDS:
+        raise ConfigError(
+            "unknown_attn_backend", f"attention backend {requested!r} is not one of {('auto', *BACKENDS)}"
+        )
+    reason = _unavailable_reason(requested, device, dtype)
+    if reason is not None:
+        raise ConfigError(
+            "attn_backend_unavailable",
+            f"attention backend {requested!r} is unavailable: {reason}; use 'auto' or 'sdpa_segments'",
+        )
+    return requested
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve_cached(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    return select_attn_backend(requested, device, dtype)
+
+
+def register_pair_varlen() -> str:
+    """Register :func:`pair_varlen_attention_forward` as ``"pair_varlen"`` (idempotent); return the name."""
+    AttentionInterface.register(PAIR_VARLEN, pair_varlen_attention_forward)
+    return PAIR_VARLEN
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip wrappers that hold the model as ``.module`` (DDP, DeepSpeed engine) down to the HF model."""
+    while not isinstance(model, PreTrainedModel) and isinstance(
+        getattr(model, "module", None), torch.nn.Module
+    ):
+        model = model.module
+    return model
+
+
+def enable_pair_varlen(
+    model: torch.nn.Module, backend: str = "auto", device: torch.device | str | None = None
+) -> str:
+    """Switch ``model`` to ``attn_implementation="pair_varlen"`` with the given backend.
+
+    Args:
+        model: A transformers causal LM (or a wrapper around one).
+        backend: ``"auto"`` or one of :data:`BACKENDS`; stored on the model's modules and resolved per call
+            for the device and dtype the attention actually runs on (cached).
+        device: Device to validate the backend for (default: the device of the model's first parameter).
+
+    Returns:
+        The backend that will run on ``device`` (for logs).
+
+    Raises:
+        ConfigError: as :func:`select_attn_backend`; ``attn_backend_unavailable`` if the model class cannot
+            switch its attention implementation (it does not use ``AttentionInterface``).
+    """
+    target = unwrap_model(model)
+    first = next(target.parameters())
+    resolved = select_attn_backend(backend, device or first.device, first.dtype)
+    register_pair_varlen()
+    if target.config._attn_implementation != PAIR_VARLEN:
+        target.set_attn_implementation(PAIR_VARLEN)
+    if target.config._attn_implementation != PAIR_VARLEN:
+        raise ConfigError(
+            "attn_backend_unavailable",
+            f"{type(target).__name__} does not dispatch attention through transformers' AttentionInterface, "
+            "so packed (varlen) attention cannot be enabled for it",
+        )
+    for module in target.modules():
+        setattr(module, _BACKEND_ATTR, backend)
+    return resolved
+
+
+def packed_forward_kwargs(batch: PackedPairBatch) -> dict[str, Any]:
+    """Keyword arguments of a packed forward: ids, positions, varlen boundaries and ``use_cache=False``.
+
+    ``use_cache=False`` is required: with a cache, transformers treats the row as one long causal sequence and
+    packed sequences silently attend across their boundaries.
+    """
+    return {
+        "input_ids": batch.input_ids,
+        "position_ids": batch.position_ids,
+        "cu_seq_lens_q": batch.cu_seqlens,
+        "cu_seq_lens_k": batch.cu_seqlens,
+        "max_length_q": batch.max_seqlen,
+        "max_length_k": batch.max_seqlen,
+        "use_cache": False,
+    }
+
+
+def pair_varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention function with transformers' ``AttentionInterface`` signature.
+
+    Args:
+        module: The calling attention layer (``is_causal`` is read from it unless passed as a keyword).
+        query: ``[B, Hq, T, D]``.
+        key: ``[B, Hkv, T, D]`` (``Hq`` a multiple of ``Hkv``: GQA).
+        value: ``[B, Hkv, T, D]``.
+        attention_mask: Must be None (packed rows carry their boundaries in ``cu_seq_lens_q``).
+        dropout: Attention dropout probability (transformers passes 0.0 in eval mode).
+        scaling: Softmax scale (default ``D ** -0.5``).
+        sliding_window: Window of sliding-window layers (Mistral / Qwen2 / Qwen3): a query attends to the
+            ``sliding_window`` most recent keys, itself included.
+        softcap: Attention logit soft-capping (flash_attn only).
+        **kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[S + 1]`` over the ``B * T`` flattened
+            tokens), ``max_length_q`` / ``max_length_k`` (int). Without them every row is one causal sequence.
+
+    Returns:
+        ``(attn_output [B, T, Hq, D], None)``, the layout transformers expects.
+    """
+    if attention_mask is not None:
+        raise ConfigError(
+            "attn_feature_unsupported",
+            "pair_varlen attention got an attention mask; packed rows pass cu_seq_lens_q/k instead",
+        )
+    batch, heads, length, head_dim = query.shape
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    max_seqlen = kwargs.get("max_length_q")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=query.device)
+        max_seqlen = length
+    is_causal = kwargs.get("is_causal")
+    requested = getattr(module, _BACKEND_ATTR, "auto")
+    backend = _resolve_cached(requested, query.device, query.dtype)
+    out = varlen_attention(
+        _packed(query),
+        _packed(key),
+        _packed(value),
+        cu_seqlens,
+        int(max_seqlen),
+        backend=backend,
+        scale=scaling,
+        causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
+        sliding_window=sliding_window,
+        dropout=dropout,
+        softcap=softcap,
+    )
+    return out.view(batch, length, heads, head_dim), None
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """``[B, H, T, D]`` -> contiguous ``[B * T, H, D]``."""
+    return x.transpose(1, 2).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    backend: str,
+    scale: float | None = None,
+    causal: bool = True,
+    sliding_window: int | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention inside each ``cu_seqlens`` segment of packed tokens.
+
+    Args:
+        query: ``[N, Hq, D]`` packed queries.
+        key: ``[N, Hkv, D]`` packed keys.
+        value: ``[N, Hkv, D]`` packed values.
+        cu_seqlens: int32 ``[S + 1]`` segment boundaries, ``cu_seqlens[-1] == N``.
+        max_seqlen: Longest segment.
+        backend: One of :data:`BACKENDS` (already validated).
+        scale: Softmax scale (default ``D ** -0.5``).
+        causal: Causal attention inside a segment.
+        sliding_window: Attend only to the ``sliding_window`` most recent keys (causal only).
+        dropout: Attention dropout probability (not supported by ``torch_varlen``).
+        softcap: Attention logit soft-capping (``flash_attn`` only).
+
+    Returns:
+        ``[N, Hq, D]`` attention output in the dtype of ``query``.
+
+    Raises:
+        ConfigError: ``attn_feature_unsupported`` for a feature the backend cannot honour exactly.
+    """
+    if sliding_window is not None and not causal:
+        raise ConfigError("attn_feature_unsupported", "a bidirectional sliding window is not supported")
+    if softcap and backend != "flash_attn":
+        raise ConfigError(
+            "attn_feature_unsupported", f"attention soft-capping needs flash_attn, not {backend}"
+        )
+    left = -1 if sliding_window is None else int(sliding_window) - 1
+    if backend == "sdpa_segments":
+        return _sdpa_segments(query, key, value, cu_seqlens.tolist(), scale, causal, sliding_window, dropout)
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    if backend == "flash_attn":
+        extra = {"softcap": float(softcap)} if softcap else {}
+        return _flash_attn_varlen_func()(  # type: ignore[misc]
+            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            dropout_p=dropout, softmax_scale=scale, causal=causal,
+            window_size=(left, 0 if causal else -1), **extra,
+        )  # fmt: skip
+    if dropout > 0.0:
+        raise ConfigError("attn_feature_unsupported", "torch_varlen has no attention dropout; set it to 0")
+    varlen_attn, accepts_gqa = _torch_varlen_attn()  # type: ignore[misc]
+    extra = {"enable_gqa": True} if accepts_gqa and query.shape[1] != key.shape[1] else {}
+    return varlen_attn(
+        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        scale=scale, window_size=(left, 0 if causal else -1), **extra,
+    )  # fmt: skip
+
+
+def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
+    """``[L, L]`` bool causal band: query ``i`` sees keys ``i - window < j <= i``."""
+    offset = torch.arange(length, device=device)
+    delta = offset[:, None] - offset[None, :]
+    return (delta >= 0) & (delta < window)
+
+
+def _sdpa_segments(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bounds: list[int],
+    scale: float | None,
+    causal: bool,
+    window: int | None,
+    dropout: float,
+) -> torch.Tensor:
+    """SDPA once per segment: exact, no cross-segment ``[N, N]`` mask. Shapes as :func:`varlen_attention`."""
+    if bounds[0] != 0 or bounds[-1] != query.shape[0]:
+        raise ValueError(
+            f"cu_seqlens must span all {query.shape[0]} tokens, got bounds {bounds[0]}..{bounds[-1]}"
+        )
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key = key.repeat_interleave(groups, dim=1)
+        value = value.repeat_interleave(groups, dim=1)
+    outputs = []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        if end == start:
+            continue
+        mask = None
+        if window is not None and end - start > window:
+            mask = _window_mask(end - start, window, query.device)
+        q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale
+        )
+        outputs.append(out[0].transpose(0, 1))
+    return torch.cat(outputs, dim=0)

@@ -1,0 +1,70 @@
+"""The frozen reference of standard DPO, or none at all (``reference_free``).
+
+A reference maps a packed micro-batch to per-sequence log-probs ``[2n]`` float32, without gradients. This module
+holds the seam where later backends plug in (a ZeRO-3 inference engine, a precomputed cache): each is a class with
+``sequence_logps(batch)``.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Protocol
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.logprobs import packed_sequence_logps
+
+
+class Reference(Protocol):
+    """What the trainer needs from a reference."""
+
+    def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
+        """Per-sequence completion log-probs ``[2n]`` float32 (no gradient)."""
+        ...
+
+
+class NoReference:
+    """``reference_free=True``: an implicit uniform reference, log-probs 0 (no model is built)."""
+
+    def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
+        return torch.zeros(batch.num_sequences, dtype=torch.float32, device=batch.input_ids.device)
+
+
+class FrozenReference:
+    """A frozen copy of the policy's starting point: ``eval()``, ``requires_grad_(False)``, never wrapped for
+    gradient sync, run under ``torch.no_grad()``.
+
+    Args:
+        model: The reference model (already on its device, packed attention configured).
+        chunk_size: Tokens per chunk of the log-prob computation.
+    """
+
+    def __init__(self, model: PreTrainedModel, chunk_size: int) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.chunk_size = chunk_size
+
+    @torch.no_grad()
+    def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
+        return packed_sequence_logps(self.model, batch, chunk_size=self.chunk_size)
+
+
+def load_reference_model(
+    policy: PreTrainedModel, *, policy_source: str | None, ref_model_name_or_path: str | None
+) -> PreTrainedModel:
+    """Builds the reference weights: an explicit directory, else the policy's directory, else a copy in memory.
+
+    Args:
+        policy: The policy before any training step.
+        policy_source: The directory the policy was loaded from when the trainer was given a path, else None (a
+            model passed in memory is copied, so a reference always equals the policy's starting point).
+        ref_model_name_or_path: ``PairDPOConfig.ref_model_name_or_path``.
+
+    Returns:
+        The reference model on the policy's device and dtype (CPU until the trainer moves it).
+    """
+    source = ref_model_name_or_path or policy_source
+    if source is None:
+        return copy.deepcopy(policy)
+    return AutoModelForCausalLM.from_pretrained(source, dtype=policy.dtype)

@@ -1,0 +1,247 @@
+"""``PairDPOTrainer``: a ``transformers.Trainer`` that orchestrates pair DPO and holds no maths.
+
+One optimizer step on every rank: ``gradient_accumulation_steps`` packed micro-batches from the pair-atomic sampler,
+each through the policy and the frozen reference, per-pair losses from :mod:`pair_dpo_trainer.loss`, summed and
+normalised by the GLOBAL pair count ``N`` of the step.
+
+Loss scale: the Trainer does not divide by GA (``loss_is_scaled_for_ga = True``) and DDP / DeepSpeed average
+gradients over the ``W`` ranks, so each micro-batch returns ``W * sum(losses) / N``; the gradient is then exactly the
+gradient of the mean loss over the step's ``N`` pairs, whatever the (DP, GA) layout. ``N`` comes from the
+deterministic schedule on the host: no collective, no GPU sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers.trainer_utils import EvalLoopOutput
+
+from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.data.dataset import as_pair_dataset
+from pair_dpo_trainer.distributed import assert_ranks_agree
+from pair_dpo_trainer.logprobs import packed_sequence_logps
+from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
+from pair_dpo_trainer.metrics import PairMetrics
+from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+from pair_dpo_trainer.reference import FrozenReference, NoReference, Reference, load_reference_model
+from pair_dpo_trainer.samplers import PairBatchSampler
+from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+
+logger = logging.getLogger(__name__)
+
+
+class PairDataLoader(DataLoader):
+    """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+
+class PairDPOTrainer(Trainer):
+    """Pair DPO on the Hugging Face Trainer: change ``Trainer``/``TrainingArguments`` to
+    ``PairDPOTrainer``/``PairDPOConfig`` and pass preference pairs as the datasets.
+
+    Args:
+        model: A causal LM, or the path of a local directory to load it from.
+        args: The :class:`PairDPOConfig`.
+        train_dataset / eval_dataset: Preference rows (any shape :func:`~pair_dpo_trainer.data.normalize.normalize_row`
+            accepts) or already tokenised pairs (``prompt_input_ids`` / ``chosen_input_ids`` / ``rejected_input_ids``).
+        processing_class: The tokenizer (loaded from the model path when omitted).
+        ref_model: An explicit reference model (default: built from ``args``, see :mod:`pair_dpo_trainer.reference`).
+        **kwargs: Passed to ``transformers.Trainer`` (callbacks, optimizers, ...).
+    """
+
+    loss_is_scaled_for_ga = True
+
+    def __init__(
+        self,
+        model: PreTrainedModel | str,
+        args: PairDPOConfig,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        ref_model: PreTrainedModel | None = None,
+        **kwargs: Any,
+    ) -> None:
+        policy_source = str(model) if isinstance(model, (str, Path)) else None
+        if policy_source is not None:
+            model = AutoModelForCausalLM.from_pretrained(policy_source)
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
+        self.attn_backend = enable_pair_varlen(model, args.attn_backend)
+        train_dataset = self._pairs(train_dataset, processing_class, args)
+        eval_dataset = self._pairs(eval_dataset, processing_class, args)
+        collator = PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0)
+        super().__init__(
+            model=model, args=args, data_collator=collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
+            processing_class=processing_class, **kwargs,
+        )
+        self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
+        self.reference = self._build_reference(model, policy_source, ref_model)
+        self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
+        self._loss_params = args.loss_params()
+        self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
+        self._train_sampler: PairBatchSampler | None = None
+
+    @staticmethod
+    def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig) -> Any:
+        if dataset is None:
+            return None
+        return as_pair_dataset(
+            dataset, tokenizer, max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+            max_pair_tokens=args.max_tokens_per_microbatch,
+        )
+
+    def _build_reference(
+        self, policy: PreTrainedModel, policy_source: str | None, ref_model: PreTrainedModel | None
+    ) -> Reference:
+        if self.args.reference_free:
+            if ref_model is not None:
+                raise ValueError("reference_free=True builds no reference: do not pass ref_model.")
+            return NoReference()
+        if ref_model is None:
+            ref_model = load_reference_model(
+                policy, policy_source=policy_source, ref_model_name_or_path=self.args.ref_model_name_or_path
+            )
+        enable_pair_varlen(ref_model, self.args.attn_backend)
+        return FrozenReference(ref_model.to(self.args.device), chunk_size=self.args.logps_chunk_size)
+
+    # ------------------------------------------------------------------ data
+    def get_train_dataloader(self) -> DataLoader:
+        """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding)."""
+        args = self.args
+        sampler = PairBatchSampler(
+            self._costs(self.train_dataset), world_size=args.world_size, rank=args.process_index,
+            pairs_per_rank=args.pairs_per_rank_per_step, microbatches=args.gradient_accumulation_steps,
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+        )
+        assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
+        self._train_sampler = sampler
+        return self._loader(self.train_dataset, sampler, PairDataLoader)
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
+        """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers, see ``samplers.evaluation``)."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, str):
+            dataset = self.eval_dataset[dataset]
+        sampler = EvalBatchSampler(
+            self._costs(dataset), world_size=self.args.world_size, rank=self.args.process_index,
+            pairs_per_microbatch=self.args.per_device_eval_batch_size,
+        )
+        assert_ranks_agree("eval schedule", f"{len(sampler)}")
+        return self._loader(WeightedPairs(dataset), sampler, DataLoader)
+
+    def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader]) -> DataLoader:
+        workers = self.args.dataloader_num_workers
+        return cls(
+            dataset, batch_sampler=batch_sampler, collate_fn=self.data_collator, num_workers=workers,
+            pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
+            persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
+            prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
+        )
+
+    @staticmethod
+    def _costs(dataset: Any) -> list[int]:
+        from pair_dpo_trainer.data.tokenize import pair_costs
+
+        return pair_costs(dataset)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The GA micro-batches of one step and ``N``, the global pair count of the step (from the schedule)."""
+        batch_samples = []
+        for _ in range(num_batches):
+            try:
+                batch_samples.append(next(epoch_iterator))
+            except StopIteration:
+                break
+        return batch_samples, self._train_sampler.global_pairs_per_step
+
+    def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
+        return inputs.to(self.args.device, non_blocking=True)
+
+    def floating_point_ops(self, inputs: PackedPairBatch) -> int:
+        """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T)."""
+        params = self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
+        ref_flops = 0 if self.args.reference_free else 2
+        return (6 + ref_flops) * params * inputs.num_tokens
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
+        """Per-pair DPO losses of one micro-batch, scaled as the module docstring explains."""
+        policy_logps = packed_sequence_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
+        ref_logps = self.reference.sequence_logps(inputs)
+        pair = pair_logps_from_sequences(policy_logps, ref_logps, inputs)
+        losses = self._loss_fn(pair, self._loss_params)
+        torch._assert_async(
+            torch.isfinite(losses).all(),
+            "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
+            "(check the learning rate, bf16 overflow, and the data).",
+        )
+        mode = "train" if model.training else "eval"
+        self._metrics[mode].update(pair, losses, self.args.beta, weights=inputs_weights(inputs),
+                                   num_tokens=inputs.num_tokens)
+        if num_items_in_batch is None:
+            loss = losses.mean()
+        else:
+            loss = losses.sum() * (self.args.world_size / num_items_in_batch)
+        return (loss, {"losses": losses}) if return_outputs else loss
+
+    # ------------------------------------------------------------------ eval and logging
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Runs the packed eval forwards and returns pair-weighted metrics reduced over ranks."""
+        model = self._wrap_model(self.model, training=False, dataloader=dataloader)
+        if len(self.accelerator._models) == 0 and model is self.model and self.is_deepspeed_enabled:
+            model = self.accelerator.prepare_model(model, evaluation_mode=True)
+        model.eval()
+        metrics = self._metrics["eval"]
+        metrics.reset()
+        with torch.no_grad():
+            for inputs in dataloader:
+                self.compute_loss(model, self._prepare_inputs(inputs))
+        reduced = metrics.reduce(self.args.device, prefix=f"{metric_key_prefix}_")
+        num_samples = len(dataloader.dataset)
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Adds the pair metrics accumulated since the last training log (reduced over ranks here, only here)."""
+        if "loss" in logs and not any(key.startswith("eval_") for key in logs):
+            train_metrics = self._metrics["train"].reduce(self.args.device)
+            train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
+            logs.update(train_metrics)
+        super().log(logs, start_time)
+
+
+def inputs_weights(batch: PackedPairBatch) -> torch.Tensor | None:
+    """Per-pair weights of an eval micro-batch (weight-0 fillers), or None for training batches."""
+    return getattr(batch, "pair_weights", None)
+
+
+def pair_logps_from_sequences(
+    policy_logps: torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
+) -> PairLogps:
+    """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`."""
+    counts = completion_token_counts(batch)
+    return PairLogps(
+        policy_chosen_logps=policy_logps[0::2],
+        policy_rejected_logps=policy_logps[1::2],
+        ref_chosen_logps=ref_logps[0::2],
+        ref_rejected_logps=ref_logps[1::2],
+        chosen_token_counts=counts[0::2],
+        rejected_token_counts=counts[1::2],
+    )
+
+
+def completion_token_counts(batch: PackedPairBatch) -> torch.Tensor:
+    """Completion tokens per sequence ``[2n]`` float32, computed on the device (no host sync)."""
+    n = batch.num_sequences
+    index = batch.sequence_index.reshape(-1).clamp(max=n)
+    mask = batch.completion_mask.reshape(-1).to(torch.float32)
+    return torch.zeros(n + 1, device=mask.device).index_add_(0, index, mask)[:n]

@@ -1,0 +1,62 @@
+"""PairDPOConfig validation: every problem collected, one error, stable reason codes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.errors import ConfigError
+
+
+def _config(tmp_path, **kwargs) -> PairDPOConfig:
+    return PairDPOConfig(output_dir=str(tmp_path), report_to="none", **kwargs)
+
+
+def test_defaults_are_valid_and_pair_friendly(tmp_path):
+    config = _config(tmp_path)
+    assert config.beta == 0.1 and config.loss_type == "sigmoid" and not config.reference_free
+    assert config.remove_unused_columns is False
+    assert config.logging_nan_inf_filter is False  # the HF filter syncs the host every micro-batch
+    assert config.pairs_per_rank_per_step == config.per_device_train_batch_size * config.gradient_accumulation_steps
+
+
+@pytest.mark.parametrize(
+    "kwargs,code",
+    [
+        ({"beta": 0.0}, "bad_beta"),
+        ({"beta": -1.0}, "bad_beta"),
+        ({"beta": math.inf}, "bad_beta"),
+        ({"beta": math.nan}, "bad_beta"),
+        ({"label_smoothing": 0.5}, "bad_label_smoothing"),
+        ({"label_smoothing": -0.1}, "bad_label_smoothing"),
+        ({"loss_type": "ipo", "label_smoothing": 0.1}, "unsupported_combination"),
+        ({"loss_type": "kto"}, "unknown_loss_type"),
+        ({"reference_free": True, "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
+        ({"max_prompt_length": 2048, "max_length": 1024}, "bad_length"),
+        ({"attn_backend": "xformers"}, "bad_attn_backend"),
+        ({"nll_weight": -1.0}, "bad_nll_weight"),
+    ],
+)
+def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, **kwargs)
+    assert info.value.reason_code == code
+    field_name = next(iter(kwargs))
+    assert field_name in str(info.value)
+
+
+def test_all_problems_are_reported_at_once(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, beta=-1.0, label_smoothing=0.7, attn_backend="nope")
+    assert info.value.reason_code == "invalid_config"
+    codes = [code for code, _ in info.value.problems]
+    assert codes == ["bad_beta", "bad_label_smoothing", "bad_attn_backend"]
+    for name in ("beta", "label_smoothing", "attn_backend"):
+        assert name in str(info.value)
+
+
+def test_config_is_a_value_error_for_argument_parsers(tmp_path):
+    with pytest.raises(ValueError):
+        _config(tmp_path, beta=0)

@@ -1,0 +1,208 @@
+"""GPU checks of the packed path (run on the GPU machine: ``pytest -m gpu -s tests/test_gpu_packed.py``).
+
+Prints the numbers quoted in docs/benchmarks.md ("Packed log-probs and attention (GPU)").
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
+from pair_dpo_trainer.logprobs import (
+    chunked_token_logps,
+    naive_token_logps,
+    packed_sequence_logps,
+    padded_sequence_logps,
+)
+from pair_dpo_trainer.modeling import BACKENDS, enable_pair_varlen, select_attn_backend, varlen_attention
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+VOCAB = 32000
+
+
+def _llama_100m() -> torch.nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _features(seed: int, n: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
+
+    return [
+        {
+            "prompt_input_ids": ids(64, 512),
+            "chosen_input_ids": ids(32, 512),
+            "rejected_input_ids": ids(32, 512),
+        }
+        for _ in range(n)
+    ]
+
+
+def _kernel_backends() -> list[str]:
+    found = []
+    for name in BACKENDS[:2]:
+        try:
+            found.append(select_attn_backend(name, "cuda", torch.bfloat16))
+        except Exception as error:  # noqa: BLE001 - report and continue
+            print(f"[gpu] backend {name} unavailable: {error}")
+    return found
+
+
+@pytest.mark.parametrize("window", [None, 64])
+def test_kernel_backends_match_sdpa_segments(window) -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [1, 37, 300, 129, 1000]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    total = sum(lengths)
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = rand(16), rand(8), rand(8)  # GQA 16 query / 8 kv heads
+    ref = varlen_attention(q, k, v, cu, max(lengths), backend="sdpa_segments", sliding_window=window)
+    backends = _kernel_backends()
+    assert backends, "no varlen kernel backend on this GPU"
+    for backend in backends:
+        got = varlen_attention(q, k, v, cu, max(lengths), backend=backend, sliding_window=window)
+        err = (got.float() - ref.float()).abs().max().item()
+        print(f"[gpu] varlen_attention {backend} vs sdpa_segments window={window}: max abs err {err:.4g}")
+        assert err < 2e-2
+
+
+def _no_dense_mask_spy(size: int):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Spy(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.hits: list[tuple[int, ...]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[-2:] == (size, size):
+                    self.hits.append(tuple(t.shape))
+            return out
+
+    return Spy()
+
+
+def _timed_step(fn, weights: torch.Tensor, repeats: int = 3) -> tuple[torch.Tensor, float]:
+    out = fn()
+    (out * weights).sum().backward()  # warm-up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        out = fn()
+        (out * weights).sum().backward()
+    torch.cuda.synchronize()
+    return out.detach(), (time.perf_counter() - start) / repeats
+
+
+def test_varlen_packed_matches_padded_sdpa_bf16() -> None:
+    torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN SDPA stalls on new padded shapes (notes/gpu.md)
+    model = _llama_100m()
+    feats = _features(seed=0, n=8)
+    padded = PaddedPairCollator()(feats).pin_memory().to("cuda", non_blocking=True)
+    packed = PackedPairCollator()(feats).pin_memory().to("cuda", non_blocking=True)
+    weights = torch.randn(16, device="cuda")
+    print(f"\n[gpu] {torch.cuda.get_device_name()} torch {torch.__version__}")
+    print(f"[gpu] packed T={packed.num_tokens} tokens, padded {tuple(padded.input_ids.shape)}")
+
+    with torch.no_grad():
+        ref = padded_sequence_logps(model, padded)
+    ref_step, ref_time = _timed_step(lambda: padded_sequence_logps(model, padded), weights)
+    ref_grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+
+    backend = enable_pair_varlen(model, "auto")
+    assert backend in ("flash_attn", "torch_varlen")
+    spy = _no_dense_mask_spy(packed.num_tokens)
+    with torch.no_grad(), spy:
+        got = packed_sequence_logps(model, packed)
+    assert spy.hits == [], spy.hits[:5]
+    got_step, got_time = _timed_step(lambda: packed_sequence_logps(model, packed), weights)
+    got_grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+
+    rel = ((got - ref).abs() / ref.abs()).max().item()
+    cosine = torch.nn.functional.cosine_similarity(got_grad, ref_grad, dim=0).item()
+    print(
+        f"[gpu] backend={backend}: max rel diff of per-sequence logps {rel:.3g} (no grad), "
+        f"grad cosine {cosine:.5f}"
+    )
+    print(f"[gpu] logps packed {got[:4].tolist()} padded {ref[:4].tolist()}")
+    print(
+        f"[gpu] fwd+bwd: padded sdpa {ref_time * 1e3:.1f} ms, packed {backend} {got_time * 1e3:.1f} ms "
+        f"({packed.num_tokens / got_time:.0f} real tok/s packed)"
+    )
+    assert rel < 2e-2
+    assert ((got_step - ref_step).abs() / ref_step.abs()).max().item() < 2e-2
+    assert cosine > 0.99
+
+
+def _peak_fwd_bwd(fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, float, float]:
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    start = time.perf_counter()
+    out = fn()
+    out.sum().backward()
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+    hidden.grad = weight.grad = None
+    return out.detach(), peak, elapsed
+
+
+def test_chunked_logps_peak_memory_vs_naive() -> None:
+    vocab, hidden_size, tokens, chunk = 152064, 2048, 16384, 4096
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weight = (
+        (torch.randn(vocab, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16().requires_grad_()
+    )
+    hidden = torch.randn(tokens, hidden_size, generator=gen, device="cuda").bfloat16().requires_grad_()
+    targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+
+    runs = {}
+    for name, fn in (
+        ("naive", lambda: naive_token_logps(hidden, weight, targets)),
+        ("chunked", lambda: chunked_token_logps(hidden, weight, targets, chunk)),
+    ):
+        _peak_fwd_bwd(fn, hidden, weight)  # warm-up (kernels, allocator)
+        runs[name] = _peak_fwd_bwd(fn, hidden, weight)
+    (naive_out, naive_peak, naive_time), (chunk_out, chunk_peak, chunk_time) = runs["naive"], runs["chunked"]
+    err = (naive_out - chunk_out).abs().max().item()
+    print(
+        f"\n[gpu] log-probs fwd+bwd V={vocab} N={tokens} H={hidden_size} bf16: "
+        f"naive peak {naive_peak:.2f} GiB {naive_time * 1e3:.1f} ms; "
+        f"chunked({chunk}) peak {chunk_peak:.2f} GiB {chunk_time * 1e3:.1f} ms; max abs diff {err:.3g}"
+    )
+    assert chunk_peak < naive_peak / 2
+    assert err < 1e-2

@@ -1,0 +1,232 @@
+"""Chunked log-probs vs naive, and packed (pair_varlen) vs padded (sdpa) parity on tiny models."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.logprobs import (
+    chunked_token_logps,
+    module_chunked_token_logps,
+    naive_token_logps,
+    packed_sequence_logps,
+    padded_sequence_logps,
+    split_pair_logps,
+)
+from pair_dpo_trainer.modeling import enable_pair_varlen
+
+VOCAB = 101
+TINY = {
+    "vocab_size": VOCAB,
+    "hidden_size": 48,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 12,
+    "initializer_range": 0.2,  # sharper attention than 0.02, so that leaks across sequences would show
+    "pad_token_id": 0,
+}
+SLIDING = {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}
+ARCHS = {
+    "llama": (LlamaForCausalLM, LlamaConfig, {}),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
+    "qwen2_sliding": (Qwen2ForCausalLM, Qwen2Config, SLIDING),
+    "qwen3_sliding": (Qwen3ForCausalLM, Qwen3Config, SLIDING),
+    "mistral_sliding": (MistralForCausalLM, MistralConfig, {"sliding_window": 6}),
+}
+
+
+def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
+    model_cls, config_cls, extra = ARCHS[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**TINY, **extra)).float()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def random_features(seed: int, n: int) -> list[dict[str, list[int]]]:
+    rng = random.Random(seed)
+
+    def ids(low: int, high: int) -> list[int]:
+        return [rng.randrange(1, VOCAB) for _ in range(rng.randint(low, high))]
+
+    return [
+        {"prompt_input_ids": ids(2, 10), "chosen_input_ids": ids(1, 9), "rejected_input_ids": ids(1, 9)}
+        for _ in range(n)
+    ]
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 64])
+def test_chunked_matches_naive(dtype: torch.dtype, tol: float, chunk_size: int) -> None:
+    gen = torch.Generator().manual_seed(chunk_size)
+    n, hidden_size, vocab = 20, 16, 37  # chunk sizes 3 and 7 do not divide 20
+    hidden = torch.randn(n, hidden_size, generator=gen, dtype=dtype, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=gen, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen, dtype=dtype)
+
+    results = []
+    for fn in (naive_token_logps, lambda h, w, t: chunked_token_logps(h, w, t, chunk_size)):
+        out = fn(hidden, weight, targets)
+        grad_h, grad_w = torch.autograd.grad((out * upstream).sum(), (hidden, weight))
+        results.append((out, grad_h, grad_w))
+    (ref, ref_gh, ref_gw), (got, got_gh, got_gw) = results
+    assert got.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert (got - ref).abs().max() < tol
+    assert (got_gh - ref_gh).abs().max() < tol and (got_gw - ref_gw).abs().max() < tol
+
+
+def test_chunked_gradcheck_float64() -> None:
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(7, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 5, generator=gen, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (7,), generator=gen)
+    assert torch.autograd.gradcheck(lambda h, w: chunked_token_logps(h, w, targets, 3), (hidden, weight))
+
+
+def test_chunked_bf16_close_to_naive_and_weight_only_grad() -> None:
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(30, 16, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(50, 16, generator=gen).to(torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 50, (30,), generator=gen)
+    got = chunked_token_logps(hidden, weight, targets, 8)
+    ref = naive_token_logps(hidden, weight, targets)
+    assert got.dtype == torch.float32 and (got - ref).abs().max() < 1e-5
+    (grad_w,) = torch.autograd.grad(got.sum(), (weight,))
+    (ref_w,) = torch.autograd.grad(ref.sum(), (weight,))
+    assert grad_w.dtype == torch.bfloat16 and (grad_w.float() - ref_w.float()).abs().max() < 0.1
+
+
+def test_module_chunked_matches_naive() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 37, bias=False).double()
+    hidden = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 37, (20,))
+    got = module_chunked_token_logps(head, hidden, targets, 6)
+    ref = naive_token_logps(hidden, head.weight, targets)
+    assert (got - ref).abs().max() < 1e-10
+    g1 = torch.autograd.grad(got.sum(), (hidden, head.weight))
+    g2 = torch.autograd.grad(ref.sum(), (hidden, head.weight))
+    assert all((a - b).abs().max() < 1e-10 for a, b in zip(g1, g2, strict=True))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+def test_packed_matches_padded_values_and_grads(arch: str) -> None:
+    model = tiny_model(arch)
+    features = random_features(seed=3, n=3)
+    padded, packed = PaddedPairCollator()(features), PackedPairCollator()(features)
+    weights = torch.randn(2 * len(features), generator=torch.Generator().manual_seed(5))
+
+    ref = padded_sequence_logps(model, padded)
+    (ref * weights).sum().backward()
+    ref_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    assert enable_pair_varlen(model, "auto") == "sdpa_segments"
+    got = packed_sequence_logps(model, packed, chunk_size=5)
+    (got * weights).sum().backward()
+    got_grads = _grads(model)
+
+    assert got.shape == (6,) and got.dtype == torch.float32
+    assert (got - ref).abs().max().item() < 1e-4, (got, ref)
+    assert ref_grads.keys() == got_grads.keys()
+    worst = max((got_grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads)
+    assert worst < 1e-4
+
+
+def test_packed_with_pad_segment_matches_padded() -> None:
+    model = tiny_model("llama")
+    features = random_features(seed=4, n=2)
+    ref = padded_sequence_logps(model, PaddedPairCollator()(features))
+    enable_pair_varlen(model, "sdpa_segments")
+    batch = PackedPairCollator(pad_to_multiple_of=16, pad_token_id=0)(features)
+    assert batch.num_tokens % 16 == 0 and batch.cu_seqlens.shape[0] == 2 * 2 + 2
+    got = packed_sequence_logps(model, batch)
+    assert (got - ref).abs().max().item() < 1e-4
+
+
+def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The log-prob part of the hot path (after the forward) calls nothing that waits for the device."""
+    import pair_dpo_trainer.logprobs as lp
+
+    model = tiny_model("llama")
+    enable_pair_varlen(model, "sdpa_segments")
+    batch = PackedPairCollator()(random_features(seed=6, n=2))
+    hidden = lp.packed_hidden_states(model, batch).detach()
+    monkeypatch.setattr(lp, "packed_hidden_states", lambda _m, _b: hidden)
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host sync in the log-prob hot path")
+
+    for name in ("item", "cpu", "tolist", "nonzero", "__bool__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    out = lp.packed_sequence_logps(model, batch, chunk_size=4)
+    out.sum().backward()
+    monkeypatch.undo()
+    assert out.shape == (4,)
+
+
+def test_split_pair_logps() -> None:
+    chosen, rejected = split_pair_logps(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert chosen.tolist() == [1.0, 3.0] and rejected.tolist() == [2.0, 4.0]
+    with pytest.raises(ValueError):
+        split_pair_logps(torch.zeros(3))
+
+
+@pytest.mark.parametrize("name,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5)])
+def test_logit_transforms_are_refused(name: str, value: float) -> None:
+    model = tiny_model("llama")
+    setattr(model.config, name, value)
+    enable_pair_varlen(model, "sdpa_segments")
+    with pytest.raises(ConfigError) as info:
+        packed_sequence_logps(model, PackedPairCollator()(random_features(0, 1)))
+    assert info.value.reason_code == "logit_transform_unsupported"
+
+
+def test_packed_logps_refuse_non_varlen_attention() -> None:
+    model = tiny_model("llama")  # sdpa: would build a dense [T, T] mask (or leak across sequences)
+    with pytest.raises(ConfigError) as info:
+        packed_sequence_logps(model, PackedPairCollator()(random_features(0, 1)))
+    assert info.value.reason_code == "attn_not_varlen"
+
+
+def test_wrapped_model_is_unwrapped_and_called() -> None:
+    """A DDP/DeepSpeed-like wrapper (``.module``) is called itself, so its forward hooks would run."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+            self.calls = 0
+
+        def forward(self, **kwargs):
+            self.calls += 1
+            return self.module(**kwargs)
+
+    model = tiny_model("qwen2")
+    features = random_features(seed=8, n=2)
+    ref = padded_sequence_logps(model, PaddedPairCollator()(features))
+    wrapper = Wrapper(model)
+    enable_pair_varlen(wrapper)
+    got = packed_sequence_logps(wrapper, PackedPairCollator()(features))
+    assert wrapper.calls == 1 and (got - ref).abs().max().item() < 1e-4
