@@ -17,8 +17,9 @@ from transformers import TrainingArguments
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
+from pair_dpo_trainer.modeling.attention import BACKENDS
 
-ATTN_BACKENDS = ("auto", "flash_attn", "torch_varlen", "sdpa_segments")
+ATTN_BACKENDS = ("auto", *BACKENDS)
 
 
 @dataclass
@@ -33,9 +34,7 @@ class PairDPOConfig(TrainingArguments):
     beta: float = field(
         default=0.1, metadata={"help": "DPO temperature beta (> 0): strength of the pull towards the reference."}
     )
-    loss_type: str = field(
-        default="sigmoid", metadata={"help": f"Preference loss, one of {sorted(LOSS_FUNCTIONS)}."}
-    )
+    loss_type: str = field(default="sigmoid", metadata={"help": f"Preference loss, one of {sorted(LOSS_FUNCTIONS)}."})
     label_smoothing: float = field(
         default=0.0,
         metadata={"help": "Assumed label-noise rate in [0, 0.5) for loss_type 'sigmoid' (cDPO) or 'robust' (rDPO)."},
@@ -62,13 +61,17 @@ class PairDPOConfig(TrainingArguments):
     )
     max_tokens_per_microbatch: int | None = field(
         default=None,
-        metadata={"help": "Token budget of one packed micro-batch; a pair whose two sequences exceed it is rejected "
-                  "with reason code 'pair_too_long'. None: no budget."},
+        metadata={
+            "help": "Token budget of one packed micro-batch; a pair whose two sequences exceed it is rejected "
+            "with reason code 'pair_too_long'. None: no budget."
+        },
     )
     attn_backend: str = field(
         default="auto",
-        metadata={"help": f"Attention for packed rows, one of {list(ATTN_BACKENDS)}; 'auto' picks flash_attn, then "
-                  "torch_varlen (CUDA), then sdpa_segments."},
+        metadata={
+            "help": f"Attention for packed rows, one of {list(ATTN_BACKENDS)}; 'auto' picks flash_attn, then "
+            "torch_varlen (CUDA), then sdpa_segments."
+        },
     )
     logps_chunk_size: int = field(
         default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
@@ -79,8 +82,10 @@ class PairDPOConfig(TrainingArguments):
     )
     logging_nan_inf_filter: bool = field(
         default=False,
-        metadata={"help": "HF's filter reads the loss on the host every micro-batch (a GPU sync); pair DPO checks "
-                  "finiteness on the device instead, so it is off by default."},
+        metadata={
+            "help": "HF's filter reads the loss on the host every micro-batch (a GPU sync); pair DPO checks "
+            "finiteness on the device instead, so it is off by default."
+        },
     )
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "Every parameter gets a gradient in DPO; searching for unused ones is waste."}
@@ -102,26 +107,36 @@ class PairDPOConfig(TrainingArguments):
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
             problems.append(("bad_beta", f"beta={self.beta!r}: set a finite value > 0 (typical: 0.1)."))
         if self.loss_type not in LOSS_FUNCTIONS:
-            problems.append(("unknown_loss_type", f"loss_type={self.loss_type!r}: use one of {sorted(LOSS_FUNCTIONS)}."))
+            problems.append(
+                ("unknown_loss_type", f"loss_type={self.loss_type!r}: use one of {sorted(LOSS_FUNCTIONS)}.")
+            )
         if not 0.0 <= self.label_smoothing < 0.5:
             problems.append(
                 ("bad_label_smoothing", f"label_smoothing={self.label_smoothing!r}: set a value in [0, 0.5).")
             )
         elif self.label_smoothing > 0 and self.loss_type not in LABEL_SMOOTHING_LOSSES:
             problems.append(
-                ("unsupported_combination", f"label_smoothing > 0 has no meaning for loss_type={self.loss_type!r}: "
-                 f"use one of {sorted(LABEL_SMOOTHING_LOSSES)} or set label_smoothing=0.")
+                (
+                    "unsupported_combination",
+                    f"label_smoothing > 0 has no meaning for loss_type={self.loss_type!r}: "
+                    f"use one of {sorted(LABEL_SMOOTHING_LOSSES)} or set label_smoothing=0.",
+                )
             )
         if not (math.isfinite(self.nll_weight) and self.nll_weight >= 0):
             problems.append(("bad_nll_weight", f"nll_weight={self.nll_weight!r}: set a finite value >= 0."))
         if self.reference_free and (self.ref_model_name_or_path or self.ref_model_revision):
             problems.append(
-                ("reference_conflict", "reference_free=True builds no reference: remove ref_model_name_or_path / "
-                 "ref_model_revision, or set reference_free=False.")
+                (
+                    "reference_conflict",
+                    "reference_free=True builds no reference: remove ref_model_name_or_path / "
+                    "ref_model_revision, or set reference_free=False.",
+                )
             )
         problems.extend(self._length_problems())
         if self.attn_backend not in ATTN_BACKENDS:
-            problems.append(("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}."))
+            problems.append(
+                ("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}.")
+            )
         return problems
 
     def _length_problems(self) -> list[tuple[str, str]]:
@@ -130,8 +145,11 @@ class PairDPOConfig(TrainingArguments):
             problems.append(("bad_length", f"max_length={self.max_length}: set a value > 1."))
         if not 0 < self.max_prompt_length < self.max_length:
             problems.append(
-                ("bad_length", f"max_prompt_length={self.max_prompt_length}: set 0 < max_prompt_length < max_length "
-                 f"({self.max_length}) so every completion keeps at least one token.")
+                (
+                    "bad_length",
+                    f"max_prompt_length={self.max_prompt_length}: set 0 < max_prompt_length < max_length "
+                    f"({self.max_length}) so every completion keeps at least one token.",
+                )
             )
         if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch <= 0:
             problems.append(("bad_length", "max_tokens_per_microbatch must be > 0 or None."))
@@ -143,8 +161,9 @@ class PairDPOConfig(TrainingArguments):
 
     def loss_params(self) -> LossParams:
         """The loss hyper-parameters as the pure loss functions take them."""
-        return LossParams(beta=float(self.beta), label_smoothing=float(self.label_smoothing),
-                          nll_weight=float(self.nll_weight))
+        return LossParams(
+            beta=float(self.beta), label_smoothing=float(self.label_smoothing), nll_weight=float(self.nll_weight)
+        )
 
     @property
     def pairs_per_rank_per_step(self) -> int:

@@ -3,9 +3,10 @@
 The packed path never materialises ``[T, V]`` logits: the final hidden states of the scored positions only
 (``batch.completion_positions``, usually well under half of the row) are projected onto the vocabulary
 ``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
-log-sum-exps and recomputes each chunk's logits in backward. Peak extra memory is about
-``chunk_size * V * (2 + 4 + 4)`` bytes for bf16 weights, plus a float32 ``[V, H]`` gradient accumulator in
-backward when the head weight is bf16/fp16.
+log-sum-exps and recomputes each chunk's logits in backward (one extra ``[c, H] x [H, V]`` matmul per chunk).
+Temporaries are a few ``[chunk_size, V]`` tensors, plus a float32 ``[V, H]`` gradient accumulator in backward
+when the head weight is bf16/fp16. Measured on an H200 (bf16, V=152064, N=16384, H=2048, chunk 4096, fwd+bwd):
+peak 4.70 GiB chunked vs 27.84 GiB naive, 113.5 ms vs 75.7 ms.
 
 The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
 sums use ``index_add`` with ``sequence_index``.
@@ -239,9 +240,7 @@ def packed_sequence_logps(
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     targets = batch.labels.reshape(-1).index_select(0, positions)
     sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
-    if hasattr(
-        head.weight, "ds_id"
-    ):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
+    if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
         token_logps = module_chunked_token_logps(head, rows, targets, chunk_size)
     else:
         token_logps = chunked_token_logps(rows, head.weight, targets, chunk_size)

@@ -38,7 +38,11 @@ class PairMetrics:
         self._started = time.perf_counter()
 
     def update(
-        self, logps: PairLogps, losses: torch.Tensor, beta: float, weights: torch.Tensor | None = None,
+        self,
+        logps: PairLogps,
+        losses: torch.Tensor,
+        beta: float,
+        weights: torch.Tensor | None = None,
         num_tokens: int = 0,
     ) -> None:
         """Adds one micro-batch. Tensors are ``[n]``; ``num_tokens`` is the host-known packed length."""

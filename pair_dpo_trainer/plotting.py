@@ -56,7 +56,9 @@ def plot_run(output_dir: str | Path) -> Path:
     root = Path(output_dir)
     state_path = root / "trainer_state.json"
     if not state_path.is_file():
-        checkpoints = sorted(root.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+        checkpoints = sorted(
+            root.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1])
+        )
         if not checkpoints:
             raise FileNotFoundError(f"no trainer_state.json in {root} or its checkpoint-* folders")
         state_path = checkpoints[-1]

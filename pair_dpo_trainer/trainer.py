@@ -80,8 +80,13 @@ class PairDPOTrainer(Trainer):
         eval_dataset = self._pairs(eval_dataset, processing_class, args)
         collator = PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0)
         super().__init__(
-            model=model, args=args, data_collator=collator, train_dataset=train_dataset, eval_dataset=eval_dataset,
-            processing_class=processing_class, **kwargs,
+            model=model,
+            args=args,
+            data_collator=collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
         self.reference = self._build_reference(model, policy_source, ref_model)
@@ -95,7 +100,10 @@ class PairDPOTrainer(Trainer):
         if dataset is None:
             return None
         return as_pair_dataset(
-            dataset, tokenizer, max_length=args.max_length, max_prompt_length=args.max_prompt_length,
+            dataset,
+            tokenizer,
+            max_length=args.max_length,
+            max_prompt_length=args.max_prompt_length,
             max_pair_tokens=args.max_tokens_per_microbatch,
         )
 
@@ -118,8 +126,11 @@ class PairDPOTrainer(Trainer):
         """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding)."""
         args = self.args
         sampler = PairBatchSampler(
-            self._costs(self.train_dataset), world_size=args.world_size, rank=args.process_index,
-            pairs_per_rank=args.pairs_per_rank_per_step, microbatches=args.gradient_accumulation_steps,
+            self._costs(self.train_dataset),
+            world_size=args.world_size,
+            rank=args.process_index,
+            pairs_per_rank=args.pairs_per_rank_per_step,
+            microbatches=args.gradient_accumulation_steps,
             seed=args.data_seed if args.data_seed is not None else args.seed,
         )
         assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
@@ -127,12 +138,14 @@ class PairDPOTrainer(Trainer):
         return self._loader(self.train_dataset, sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
-        """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers, see ``samplers.evaluation``)."""
+        """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = self.eval_dataset[dataset]
         sampler = EvalBatchSampler(
-            self._costs(dataset), world_size=self.args.world_size, rank=self.args.process_index,
+            self._costs(dataset),
+            world_size=self.args.world_size,
+            rank=self.args.process_index,
             pairs_per_microbatch=self.args.per_device_eval_batch_size,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
@@ -141,7 +154,10 @@ class PairDPOTrainer(Trainer):
     def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader]) -> DataLoader:
         workers = self.args.dataloader_num_workers
         return cls(
-            dataset, batch_sampler=batch_sampler, collate_fn=self.data_collator, num_workers=workers,
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=self.data_collator,
+            num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
             prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
@@ -185,8 +201,9 @@ class PairDPOTrainer(Trainer):
             "(check the learning rate, bf16 overflow, and the data).",
         )
         mode = "train" if model.training else "eval"
-        self._metrics[mode].update(pair, losses, self.args.beta, weights=inputs_weights(inputs),
-                                   num_tokens=inputs.num_tokens)
+        self._metrics[mode].update(
+            pair, losses, self.args.beta, weights=inputs.pair_weights, num_tokens=inputs.num_tokens
+        )
         if num_items_in_batch is None:
             loss = losses.mean()
         else:
@@ -194,8 +211,9 @@ class PairDPOTrainer(Trainer):
         return (loss, {"losses": losses}) if return_outputs else loss
 
     # ------------------------------------------------------------------ eval and logging
-    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
-                        metric_key_prefix: str = "eval") -> EvalLoopOutput:
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix: str = "eval"
+    ) -> EvalLoopOutput:
         """Runs the packed eval forwards and returns pair-weighted metrics reduced over ranks."""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
         if len(self.accelerator._models) == 0 and model is self.model and self.is_deepspeed_enabled:
@@ -219,14 +237,7 @@ class PairDPOTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def inputs_weights(batch: PackedPairBatch) -> torch.Tensor | None:
-    """Per-pair weights of an eval micro-batch (weight-0 fillers), or None for training batches."""
-    return getattr(batch, "pair_weights", None)
-
-
-def pair_logps_from_sequences(
-    policy_logps: torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
-) -> PairLogps:
+def pair_logps_from_sequences(policy_logps: torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch) -> PairLogps:
     """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`."""
     counts = completion_token_counts(batch)
     return PairLogps(

@@ -22,8 +22,7 @@ from pair_dpo_trainer.samplers import plan_epoch, plan_epoch_array
 
 MIXES = {
     "lognormal": "prompt U[32,512]; chosen, rejected clip(lognormal(log 200, 0.9), 16, 1024)",
-    "heavy": "prompt clip(lognormal(log 300, 1.0), 16, 4096); "
-    "chosen, rejected clip(lognormal(log 150, 1.5), 8, 4096)",
+    "heavy": "prompt clip(lognormal(log 300, 1.0), 16, 4096); chosen, rejected clip(lognormal(log 150, 1.5), 8, 4096)",
 }
 
 
@@ -36,9 +35,7 @@ def make_costs(mix: str, n: int, seed: int) -> np.ndarray:
     else:
         prompt = np.clip(rng.lognormal(np.log(300), 1.0, n), 16, 4096)
         chosen, rejected = (np.clip(rng.lognormal(np.log(150), 1.5, n), 8, 4096) for _ in range(2))
-    return (2 * prompt.astype(np.int64) + chosen.astype(np.int64) + rejected.astype(np.int64)).astype(
-        np.int64
-    )
+    return (2 * prompt.astype(np.int64) + chosen.astype(np.int64) + rejected.astype(np.int64)).astype(np.int64)
 
 
 def ratio(loads: np.ndarray, axis: int) -> np.ndarray:
@@ -89,10 +86,7 @@ def main() -> None:
     args = parser.parse_args()
     p = args.pairs_per_rank
     columns = ["rank med", "rank worst", "mb med", "mb worst", "micro-step med", "array s", "lists s"]
-    print(
-        f"{args.pairs:,} pairs, pairs_per_rank={p}; mixes: "
-        + "; ".join(f"{k}: {v}" for k, v in MIXES.items())
-    )
+    print(f"{args.pairs:,} pairs, pairs_per_rank={p}; mixes: " + "; ".join(f"{k}: {v}" for k, v in MIXES.items()))
     print()
     print("| mix | method | W | M | steps | " + " | ".join(columns) + " |")
     print("|" + "---|" * (5 + len(columns)))

@@ -33,9 +33,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=demo.DEMO_SEED, help="seed for pairs and weights")
-    parser.add_argument(
-        "--num-pairs", type=int, default=demo.DEMO_NUM_PAIRS, help="number of preference pairs"
-    )
+    parser.add_argument("--num-pairs", type=int, default=demo.DEMO_NUM_PAIRS, help="number of preference pairs")
     parser.add_argument(
         "--output-dir", type=Path, default=demo.bundled_assets_dir(), help="assets directory to (re)write"
     )

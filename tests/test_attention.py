@@ -94,10 +94,22 @@ def test_registration_and_enable() -> None:
     assert register_pair_varlen() == PAIR_VARLEN
     assert PAIR_VARLEN in AttentionInterface().valid_keys()
     model = tiny_llama()
-    assert enable_pair_varlen(model) == "sdpa_segments"
+    assert enable_pair_varlen(model, device="cpu") == "sdpa_segments"
     assert model.config._attn_implementation == PAIR_VARLEN
     with pytest.raises(ConfigError) as info:
-        enable_pair_varlen(model, "torch_varlen")
+        enable_pair_varlen(model, "torch_varlen", device="cpu")
+    assert info.value.reason_code == "attn_backend_unavailable"
+
+
+def test_backend_is_resolved_where_attention_runs() -> None:
+    """Validated for CUDA at enable time, run on the CPU: the forward refuses with a clear reason."""
+    model = tiny_llama()
+    try:
+        enable_pair_varlen(model, "torch_varlen", device="cuda")
+    except ConfigError:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    with pytest.raises(ConfigError) as info:
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
     assert info.value.reason_code == "attn_backend_unavailable"
 
 

@@ -78,9 +78,7 @@ def test_packed_layout_invariants(seed: int) -> None:
     rng = random.Random(seed)
     features = _random_features(rng, rng.randint(1, 6))
     batch = PackedPairCollator(pad_token_id=999)(features)
-    sequences = [
-        f["prompt_input_ids"] + f[k] for f in features for k in ("chosen_input_ids", "rejected_input_ids")
-    ]
+    sequences = [f["prompt_input_ids"] + f[k] for f in features for k in ("chosen_input_ids", "rejected_input_ids")]
     n = len(features)
     # No padding anywhere: the row is exactly the concatenated sequences.
     assert batch.input_ids[0].tolist() == [t for s in sequences for t in s]

@@ -151,10 +151,7 @@ def test_varlen_packed_matches_padded_sdpa_bf16() -> None:
 
     rel = ((got - ref).abs() / ref.abs()).max().item()
     cosine = torch.nn.functional.cosine_similarity(got_grad, ref_grad, dim=0).item()
-    print(
-        f"[gpu] backend={backend}: max rel diff of per-sequence logps {rel:.3g} (no grad), "
-        f"grad cosine {cosine:.5f}"
-    )
+    print(f"[gpu] backend={backend}: max rel diff of per-sequence logps {rel:.3g} (no grad), grad cosine {cosine:.5f}")
     print(f"[gpu] logps packed {got[:4].tolist()} padded {ref[:4].tolist()}")
     print(
         f"[gpu] fwd+bwd: padded sdpa {ref_time * 1e3:.1f} ms, packed {backend} {got_time * 1e3:.1f} ms "
@@ -184,9 +181,7 @@ def _peak_fwd_bwd(fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch
 def test_chunked_logps_peak_memory_vs_naive() -> None:
     vocab, hidden_size, tokens, chunk = 152064, 2048, 16384, 4096
     gen = torch.Generator(device="cuda").manual_seed(0)
-    weight = (
-        (torch.randn(vocab, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16().requires_grad_()
-    )
+    weight = (torch.randn(vocab, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16().requires_grad_()
     hidden = torch.randn(tokens, hidden_size, generator=gen, device="cuda").bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
 

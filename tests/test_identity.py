@@ -32,9 +32,7 @@ REVISION = hashlib.sha1(b"identity test revision").hexdigest()
 
 def tiny_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2, bias=False)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2, bias=False))
 
 
 def identity(**changes: object) -> ReferenceIdentity:
@@ -72,9 +70,7 @@ def test_parameter_digest_covers_name_dtype_and_shape() -> None:
     assert parameter_digest([("w", t.view(2, 3))]) != base
     assert parameter_digest([("w", t.view(torch.int32))]) != base  # same bytes, other dtype
     assert parameter_digest([("w", t.to(torch.bfloat16))]) != base
-    assert parameter_digest([("w", t.view(2, 3).t())]) == parameter_digest(
-        [("w", t.view(2, 3).t().contiguous())]
-    )
+    assert parameter_digest([("w", t.view(2, 3).t())]) == parameter_digest([("w", t.view(2, 3).t().contiguous())])
     with pytest.raises(ValueError):
         parameter_digest([("w", t), ("w", t)])
     with pytest.raises(ValueError):
@@ -165,12 +161,8 @@ def test_build_identity_from_verified_snapshot(tmp_path: Path) -> None:
         named_parameters=model.named_parameters(),
         probe_logps=torch.zeros(4),
     )
-    assert (
-        record.pinned and record.revision == REVISION and record.manifest_digest == snapshot.manifest_digest
-    )
-    assert record.files == snapshot.digests and record.param_digest == parameter_digest(
-        model.named_parameters()
-    )
+    assert record.pinned and record.revision == REVISION and record.manifest_digest == snapshot.manifest_digest
+    assert record.files == snapshot.digests and record.param_digest == parameter_digest(model.named_parameters())
     assert {"torch", "pair_dpo_trainer", "python"} <= set(record.versions) and record.device
     checkpoint = tmp_path / "checkpoint-1"
     checkpoint.mkdir()

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -102,9 +103,7 @@ def snap(tmp_path: Path) -> Path:
 def test_valid_snapshot_verifies_with_cross_checked_digests(snap: Path) -> None:
     result = verify_snapshot(snap, REVISION)
     paths = [f.path for f in result.files]
-    assert paths == sorted(
-        [".gitattributes", "README.md", "config.json", "docs/notes.txt", "model.safetensors"]
-    )
+    assert paths == sorted([".gitattributes", "README.md", "config.json", "docs/notes.txt", "model.safetensors"])
     assert result.root == snap.resolve() and result.revision == REVISION
     assert result.weight_files == ("model.safetensors",)
     for f in result.files:
@@ -122,9 +121,7 @@ def test_valid_snapshot_verifies_with_cross_checked_digests(snap: Path) -> None:
             assert f.digest == git.stdout.strip()
     assert {f.path: f.kind for f in result.files}["model.safetensors"] == "lfs"
     listing = sorted([f.path, f.kind, f.digest, f.size] for f in result.files)
-    expected = hashlib.sha256(
-        json.dumps(listing, separators=(",", ":"), ensure_ascii=False).encode()
-    ).hexdigest()
+    expected = hashlib.sha256(json.dumps(listing, separators=(",", ":"), ensure_ascii=False).encode()).hexdigest()
     assert result.manifest_digest == expected == manifest_digest(list(reversed(result.files)))
 
 
@@ -133,9 +130,7 @@ def test_hash_file_matches_git_and_sha256_across_chunks(tmp_path: Path) -> None:
     for name, payload in (("empty", b""), ("random", data)):
         path = tmp_path / name
         path.write_bytes(payload)
-        git = subprocess.run(
-            ["git", "hash-object", "--no-filters", str(path)], capture_output=True, text=True
-        )
+        git = subprocess.run(["git", "hash-object", "--no-filters", str(path)], capture_output=True, text=True)
         for chunk in (7, 4096, hashing.CHUNK_SIZE):
             assert hashing.hash_file(path, "git", chunk_size=chunk) == (git.stdout.strip(), len(payload))
             assert hashing.hash_file(path, "lfs", chunk_size=chunk)[0] == hashlib.sha256(payload).hexdigest()
@@ -178,9 +173,7 @@ def test_pickle_weights_accepted_only_when_allowed(tmp_path: Path) -> None:
     put_index(root, "pytorch_model.bin.index.json", {"w": "pytorch_model-00001-of-00001.bin"})
     err = rejected(root)
     assert (err.reason_code, err.path) == ("pickle_weights", "pytorch_model.bin.index.json")
-    assert verify_snapshot(root, REVISION, allow_pickle=True).weight_files == (
-        "pytorch_model-00001-of-00001.bin",
-    )
+    assert verify_snapshot(root, REVISION, allow_pickle=True).weight_files == ("pytorch_model-00001-of-00001.bin",)
 
 
 def test_symlink_inside_snapshot_is_followed(snap: Path) -> None:
@@ -222,9 +215,7 @@ def test_one_gib_sparse_file_hashes_with_bounded_memory(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- rejected
 
 
-@pytest.mark.parametrize(
-    "revision", ["main", "v1.0", REVISION[:7], REVISION.upper(), REVISION + "0", "", None]
-)
+@pytest.mark.parametrize("revision", ["main", "v1.0", REVISION[:7], REVISION.upper(), REVISION + "0", "", None])
 def test_revision_not_pinned(snap: Path, revision: object) -> None:
     err = rejected(snap, revision)  # type: ignore[arg-type]
     assert err.reason_code == "revision_not_pinned"
@@ -334,9 +325,7 @@ def test_missing_shard(tmp_path: Path) -> None:
 def test_bad_suffix(tmp_path: Path) -> None:
     root = make_snapshot(tmp_path / "s", shards=1)
     put(root, "extra.bin", b"x")
-    put_index(
-        root, "model.safetensors.index.json", {"a": "model-00001-of-00001.safetensors", "b": "extra.bin"}
-    )
+    put_index(root, "model.safetensors.index.json", {"a": "model-00001-of-00001.safetensors", "b": "extra.bin"})
     err = rejected(root)
     assert (err.reason_code, err.path) == ("bad_suffix", "extra.bin")
 
@@ -443,6 +432,14 @@ def test_cli_exit_codes_and_json(snap: Path, capsys: pytest.CaptureFixture[str])
         with pytest.raises(SystemExit) as info:
             run_cli(argv)
         assert info.value.code == 2
+
+
+def test_cli_progress_bar_on_a_terminal(
+    snap: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert run_cli([str(snap), "--revision", REVISION]) == 0
+    assert "hashing" in capsys.readouterr().err
 
 
 def test_cli_subcommand_is_registered(snap: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -47,9 +47,7 @@ def test_loss_matches_float64_formula_values_and_gradients(loss_type, beta, eps)
     losses = LOSS_FUNCTIONS[loss_type](PairLogps(pc, pr, rc, rr, counts, counts), params)
     assert losses.shape == (n,)
     expected = [
-        _reference_loss(
-            loss_type, *(float(t[i]) for t in (pc, pr, rc, rr)), float(counts[i]), beta, eps, 0.7
-        )
+        _reference_loss(loss_type, *(float(t[i].detach()) for t in (pc, pr, rc, rr)), float(counts[i]), beta, eps, 0.7)
         for i in range(n)
     ]
     torch.testing.assert_close(losses.detach(), torch.tensor(expected, dtype=torch.float64), rtol=1e-10, atol=1e-10)
@@ -59,7 +57,7 @@ def test_loss_matches_float64_formula_values_and_gradients(loss_type, beta, eps)
     step = 1e-6
     for which, tensor in enumerate((pc, pr, rc, rr)):
         for i in (0, n // 2, n - 1):
-            args = [float(t[i]) for t in (pc, pr, rc, rr)]
+            args = [float(t[i].detach()) for t in (pc, pr, rc, rr)]
             args_hi, args_lo = list(args), list(args)
             args_hi[which] += step
             args_lo[which] -= step

@@ -34,9 +34,7 @@ HH_PAIR = PreferencePair(
 @pytest.mark.parametrize(
     "row,expected",
     [
-        pytest.param(
-            {"prompt": USER["content"], "chosen": "1 2 3", "rejected": "1 3 2"}, SINGLE_TURN, id="1-strings"
-        ),
+        pytest.param({"prompt": USER["content"], "chosen": "1 2 3", "rejected": "1 3 2"}, SINGLE_TURN, id="1-strings"),
         pytest.param({"prompt": USER["content"], "chosen": [GOOD], "rejected": [BAD]}, SINGLE_TURN, id="2-str-prompt"),
         pytest.param({"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}, SINGLE_TURN, id="2-list-prompt"),
         pytest.param({"prompt": [USER], "chosen": "1 2 3", "rejected": "1 3 2"}, SINGLE_TURN, id="2-str-completions"),
@@ -46,10 +44,16 @@ HH_PAIR = PreferencePair(
             id="2-ultrafeedback",
         ),
         pytest.param(
-            {"prompt": [USER], "chosen": [USER, GOOD], "rejected": [BAD]}, SINGLE_TURN, id="2-full-and-assistant-only"
+            {"prompt": [USER], "chosen": [USER, GOOD], "rejected": [BAD]},
+            SINGLE_TURN,
+            id="2-full-and-assistant-only",
         ),
         pytest.param(
-            {"prompt": [SYSTEM, USER, GOOD, USER], "chosen": [SYSTEM, USER, GOOD, USER, GOOD], "rejected": [BAD]},
+            {
+                "prompt": [SYSTEM, USER, GOOD, USER],
+                "chosen": [SYSTEM, USER, GOOD, USER, GOOD],
+                "rejected": [BAD],
+            },
             PreferencePair((SYSTEM, USER, GOOD, USER), (GOOD,), (BAD,)),
             id="2-multi-turn-full",
         ),
@@ -59,14 +63,22 @@ HH_PAIR = PreferencePair(
             id="2-multi-turn-completion",
         ),
         pytest.param(
-            {"prompt": [{**USER, "name": "x"}], "chosen": [{**GOOD, "extra": None}], "rejected": [BAD], "id": 7},
+            {
+                "prompt": [{**USER, "name": "x"}],
+                "chosen": [{**GOOD, "extra": None}],
+                "rejected": [BAD],
+                "id": 7,
+            },
             SINGLE_TURN,
             id="2-extra-keys-dropped",
         ),
         pytest.param({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_PAIR, id="3-anthropic-hh"),
         pytest.param({"prompt": None, "chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_PAIR, id="3-null-prompt"),
         pytest.param(
-            {"chosen": "Human: 3 1 2\n\nAssistant: 1 2 3", "rejected": "\n\nHuman: 3 1 2\n\nAssistant:  1 3 2 "},
+            {
+                "chosen": "Human: 3 1 2\n\nAssistant: 1 2 3",
+                "rejected": "\n\nHuman: 3 1 2\n\nAssistant:  1 3 2 ",
+            },
             PreferencePair((_m("user", "3 1 2"),), (GOOD,), (BAD,)),
             id="3-no-leading-newlines",
         ),
@@ -101,11 +113,19 @@ def test_pair_is_frozen_and_hash_depends_on_prompt_only():
         pytest.param({"chosen": [GOOD], "rejected": [BAD]}, "schema", "prompt", id="schema-lists-without-prompt"),
         pytest.param({"chosen": "just text", "rejected": "other"}, "schema", "transcript", id="schema-not-hh"),
         pytest.param(
-            {"chosen": "\n\nAssistant: 1", "rejected": "\n\nAssistant: 2"}, "schema", "transcript", id="schema-hh-no-prompt"
+            {"chosen": "\n\nAssistant: 1", "rejected": "\n\nAssistant: 2"},
+            "schema",
+            "transcript",
+            id="schema-hh-no-prompt",
         ),
         pytest.param({"prompt": ["hi"], "chosen": "c", "rejected": "r"}, "schema", "prompt[0]", id="schema-msg-str"),
         pytest.param({"prompt": [_m("human", "x")], "chosen": "c", "rejected": "r"}, "role", "prompt[0]", id="role"),
-        pytest.param({"prompt": "p", "chosen": [{"content": "c"}], "rejected": "r"}, "role", "chosen[0]", id="role-missing"),
+        pytest.param(
+            {"prompt": "p", "chosen": [{"content": "c"}], "rejected": "r"},
+            "role",
+            "chosen[0]",
+            id="role-missing",
+        ),
         pytest.param(
             {"prompt": "p", "chosen": [_m("tool", "c")], "rejected": "r"}, "role", "chosen[0]", id="role-tool"
         ),
@@ -116,7 +136,11 @@ def test_pair_is_frozen_and_hash_depends_on_prompt_only():
             id="content-null",
         ),
         pytest.param(
-            {"prompt": [{"role": "user", "content": [{"type": "text", "text": "x"}]}], "chosen": "c", "rejected": "r"},
+            {
+                "prompt": [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+                "chosen": "c",
+                "rejected": "r",
+            },
             "content_type",
             "prompt[0]",
             id="content-parts",
@@ -158,13 +182,19 @@ def test_pair_is_frozen_and_hash_depends_on_prompt_only():
             id="not-assistant-last-hh",
         ),
         pytest.param(
-            {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi"}, "not_assistant_last", "chosen", id="hh-no-assistant"
+            {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi"},
+            "not_assistant_last",
+            "chosen",
+            id="hh-no-assistant",
         ),
         pytest.param({"prompt": "p", "chosen": "", "rejected": "r"}, "empty_completion", "chosen", id="empty-string"),
         pytest.param({"prompt": "p", "chosen": "c", "rejected": " \n"}, "empty_completion", "rejected", id="empty-ws"),
         pytest.param({"prompt": "p", "chosen": [], "rejected": "r"}, "empty_completion", "chosen", id="empty-list"),
         pytest.param(
-            {"prompt": [USER], "chosen": [USER], "rejected": [BAD]}, "empty_completion", "chosen", id="only-prompt"
+            {"prompt": [USER], "chosen": [USER], "rejected": [BAD]},
+            "empty_completion",
+            "chosen",
+            id="only-prompt",
         ),
         pytest.param(
             {"chosen": HH_CHOSEN, "rejected": HH_REJECTED.replace("3 2 1", "")},

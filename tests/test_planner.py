@@ -17,9 +17,7 @@ def length_mix(n: int, seed: int, sigma: float = 0.9) -> np.ndarray:
     """Realistic pair costs: prompt U[32, 512], chosen/rejected clip(lognormal(log 200, sigma), 16, 1024)."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(32, 513, n)
-    chosen, rejected = (
-        np.clip(rng.lognormal(np.log(200), sigma, n), 16, 1024).astype(np.int64) for _ in "cr"
-    )
+    chosen, rejected = (np.clip(rng.lognormal(np.log(200), sigma, n), 16, 1024).astype(np.int64) for _ in "cr")
     return 2 * prompt + chosen + rejected
 
 
@@ -39,9 +37,7 @@ def check_structure(plan, n: int, world_size: int, pairs_per_rank: int, microbat
             for mb in rank:
                 assert all(type(i) is int for i in mb)
                 flat.extend(mb)
-    assert (
-        len(flat) == len(set(flat)) == (n // group) * group
-    )  # every index at most once; only remainder dropped
+    assert len(flat) == len(set(flat)) == (n // group) * group  # every index at most once; only remainder dropped
     assert all(0 <= i < n for i in flat)
     return flat
 
@@ -136,9 +132,7 @@ def rank_ratios(costs: np.ndarray, plan) -> tuple[np.ndarray, np.ndarray]:
 @pytest.mark.parametrize("sigma", [0.9, 1.5])
 def test_balance_vs_random_assignment(world_size, pairs_per_rank, sigma):
     costs = length_mix(world_size * pairs_per_rank * 60 + 5, seed=world_size + pairs_per_rank, sigma=sigma)
-    plan = plan_epoch(
-        costs, world_size=world_size, pairs_per_rank=pairs_per_rank, microbatches=2, seed=0, epoch=0
-    )
+    plan = plan_epoch(costs, world_size=world_size, pairs_per_rank=pairs_per_rank, microbatches=2, seed=0, epoch=0)
     ranks, mbs = rank_ratios(costs, plan)
     # Random assignment of the same global batches to ranks and micro-batches.
     rng = np.random.default_rng(1)
@@ -192,9 +186,7 @@ def test_swap_refinement_on_heavy_tail_and_pinned_columns():
 
 
 def test_docstring_example():
-    plan = plan_epoch(
-        [10, 1, 1, 10, 5, 5, 3, 7], world_size=2, pairs_per_rank=4, microbatches=2, seed=0, epoch=0
-    )
+    plan = plan_epoch([10, 1, 1, 10, 5, 5, 3, 7], world_size=2, pairs_per_rank=4, microbatches=2, seed=0, epoch=0)
     assert plan == [[[[2, 3], [6, 7]], [[0, 1], [4, 5]]]]
 
 

@@ -1,4 +1,4 @@
-"""tokenize_pair / tokenize_dataset / pair_costs on the bundled tiny tokenizer (chat template, EOS, truncation)."""
+"""tokenize_pair / tokenize_dataset / pair_costs on the bundled tiny tokenizer: template, EOS, truncation."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ NON_PREFIX_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|system|>' }}{% endif %}"
 )
 # Like Gemma's: refuses system turns.
-NO_SYSTEM_TEMPLATE = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+NO_SYSTEM_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+)
 # Ends assistant turns without EOS.
 NO_EOS_TEMPLATE = (
     "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}{% endfor %}"
@@ -80,9 +82,15 @@ def test_every_shape_gives_the_same_ids(tok):
     shapes = [
         ROW,
         {"prompt": [user], "chosen": [{"role": "assistant", "content": "1 2 3"}], "rejected": "1 3 2"},
-        {"prompt": ROW["prompt"], "chosen": [user, {"role": "assistant", "content": "1 2 3"}], "rejected": "1 3 2"},
-        {"chosen": "\n\nHuman: sort ascending: 3 1 2\n\nAssistant: 1 2 3", "rejected": "Human: sort ascending: "
-         "3 1 2\n\nAssistant: 1 3 2"},
+        {
+            "prompt": ROW["prompt"],
+            "chosen": [user, {"role": "assistant", "content": "1 2 3"}],
+            "rejected": "1 3 2",
+        },
+        {
+            "chosen": "\n\nHuman: sort ascending: 3 1 2\n\nAssistant: 1 2 3",
+            "rejected": "Human: sort ascending: 3 1 2\n\nAssistant: 1 3 2",
+        },
     ]
     assert len({_tokenize(row, tok) for row in shapes}) == 1
 
@@ -90,8 +98,11 @@ def test_every_shape_gives_the_same_ids(tok):
 def test_multi_turn_completion_and_system_prompt(tok):
     row = {
         "prompt": [{"role": "system", "content": "sort"}, {"role": "user", "content": "3 1 2"}],
-        "chosen": [{"role": "assistant", "content": "1 2"}, {"role": "user", "content": "up"},
-                   {"role": "assistant", "content": "1 2 3"}],
+        "chosen": [
+            {"role": "assistant", "content": "1 2"},
+            {"role": "user", "content": "up"},
+            {"role": "assistant", "content": "1 2 3"},
+        ],
         "rejected": "3 2 1",
     }
     tp = _tokenize(row, tok)
@@ -163,21 +174,30 @@ def test_control_tokens_in_content_are_text(tok):
     [
         pytest.param(ROW, NON_PREFIX_TEMPLATE, {}, "template_not_prefix", id="template_not_prefix"),
         pytest.param(
-            {"prompt": [{"role": "system", "content": "sort"}, {"role": "user", "content": "3 1 2"}], "chosen": "1 2 3",
-             "rejected": "1 3 2"},
+            {
+                "prompt": [{"role": "system", "content": "sort"}, {"role": "user", "content": "3 1 2"}],
+                "chosen": "1 2 3",
+                "rejected": "1 3 2",
+            },
             "no-system",
             {},
             "template_error",
             id="template_error",
         ),
         pytest.param(
-            {**ROW, "prompt": LONG_PROMPT}, None, {"max_length": 12, "max_prompt_length": 12}, "empty_completion",
+            {**ROW, "prompt": LONG_PROMPT},
+            None,
+            {"max_length": 12, "max_prompt_length": 12},
+            "empty_completion",
             id="empty_completion-no-room",
         ),
         pytest.param({**ROW, "rejected": "1 2 3"}, None, {}, "identical_after_truncation", id="identical"),
         pytest.param(
-            {**ROW, "chosen": "1 2 3 4", "rejected": "1 2 3 5"}, None, {"max_length": 12, "max_prompt_length": 9},
-            "identical_after_truncation", id="identical_after_truncation",
+            {**ROW, "chosen": "1 2 3 4", "rejected": "1 2 3 5"},
+            None,
+            {"max_length": 12, "max_prompt_length": 9},
+            "identical_after_truncation",
+            id="identical_after_truncation",
         ),
         pytest.param({**ROW, "prompt": LONG_PROMPT}, None, {"max_pair_tokens": 60}, "pair_too_long", id="too-long"),
     ],

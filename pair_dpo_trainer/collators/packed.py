@@ -21,12 +21,13 @@ from typing import Any
 
 import torch
 
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
 from pair_dpo_trainer.errors import PreferenceRowError
 
 IGNORE_INDEX = -100
 """Label value of positions that are not scored."""
 
-PAIR_COLUMNS = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
+PAIR_COLUMNS = FEATURE_COLUMNS
 """The tokenised dataset columns a collator reads from each feature."""
 
 CHOSEN = 0
@@ -81,6 +82,9 @@ class PackedPairBatch(_TensorDataclass):
         num_pairs: ``n``.
         completion_positions: ``[N]`` int64 flat positions ``j`` where ``completion_mask[0, j]`` is true, in
             order (``N`` scored tokens); lets the log-prob code gather scored rows without a host sync.
+        pair_weights: ``[n]`` float32 metric weight per pair when the features carry ``pair_weight`` (evaluation
+            fills short ranks with weight-0 duplicates, see :mod:`pair_dpo_trainer.samplers.evaluation`), else
+            None (every pair weighs 1).
     """
 
     input_ids: torch.Tensor
@@ -94,6 +98,7 @@ class PackedPairBatch(_TensorDataclass):
     branch: torch.Tensor
     num_pairs: int
     completion_positions: torch.Tensor
+    pair_weights: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -119,9 +124,7 @@ def pair_sequences(feature: Mapping[str, Sequence[int]], row: int) -> tuple[list
     """
     missing = [c for c in PAIR_COLUMNS if c not in feature]
     if missing:
-        raise KeyError(
-            f"feature {row} lacks the column(s) {missing}; the collators need {list(PAIR_COLUMNS)}"
-        )
+        raise KeyError(f"feature {row} lacks the column(s) {missing}; the collators need {list(PAIR_COLUMNS)}")
     prompt = [int(t) for t in feature["prompt_input_ids"]]
     chosen = [int(t) for t in feature["chosen_input_ids"]]
     rejected = [int(t) for t in feature["rejected_input_ids"]]
@@ -135,6 +138,13 @@ def pair_sequences(feature: Mapping[str, Sequence[int]], row: int) -> tuple[list
                 "(max_length / max_prompt_length)",
             )
     return prompt + chosen, prompt + rejected, len(prompt)
+
+
+def _pair_weights(features: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    """``[n]`` float32 weights from the optional ``pair_weight`` feature key, or None when no feature has one."""
+    if not any("pair_weight" in feature for feature in features):
+        return None
+    return torch.tensor([float(feature.get("pair_weight", 1.0)) for feature in features], dtype=torch.float32)
 
 
 def sequence_labels(ids: Sequence[int], prompt_length: int) -> list[int]:
@@ -226,6 +236,7 @@ class PackedPairCollator:
             branch=torch.tensor([CHOSEN, REJECTED], dtype=torch.int64).repeat(n),
             num_pairs=n,
             completion_positions=mask[0].nonzero().flatten(),
+            pair_weights=_pair_weights(features),
         )
 
     def _pad_length(self, length: int) -> int:

@@ -197,9 +197,7 @@ def _message(value: Any, where: str) -> Message:
     return {"role": role, "content": content}
 
 
-def _completion_messages(
-    value: str | Sequence[Any], field: str, prompt: tuple[Message, ...]
-) -> tuple[Message, ...]:
+def _completion_messages(value: str | Sequence[Any], field: str, prompt: tuple[Message, ...]) -> tuple[Message, ...]:
     if isinstance(value, str):
         turns: tuple[Message, ...] = ({"role": "assistant", "content": value},)
     else:
@@ -253,20 +251,28 @@ def _check_completion(turns: tuple[Message, ...], field: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class _Transcript:
+    """An Anthropic-HH transcript split at its last ``Assistant:`` turn."""
+
+    prompt: tuple[Message, ...]
+    completion: tuple[Message, ...]
+
+
 def _from_transcripts(chosen: str, rejected: str) -> PreferencePair:
-    chosen_prompt, chosen_turns = _split_transcript(chosen, "chosen")
-    rejected_prompt, rejected_turns = _split_transcript(rejected, "rejected")
-    if chosen_prompt != rejected_prompt:
+    chosen_split = _split_transcript(chosen, "chosen")
+    rejected_split = _split_transcript(rejected, "rejected")
+    if chosen_split.prompt != rejected_split.prompt:
         raise PreferenceRowError(
             "prefix_mismatch",
             "the 'chosen' and 'rejected' transcripts differ before their last 'Assistant:' turn; "
             "both must share exactly the same prompt turns.",
         )
-    return PreferencePair(chosen_prompt, chosen_turns, rejected_turns)
+    return PreferencePair(chosen_split.prompt, chosen_split.completion, rejected_split.completion)
 
 
-def _split_transcript(text: str, field: str) -> tuple[tuple[Message, ...], tuple[Message, ...]]:
-    """Splits an Anthropic-HH transcript into (prompt turns, completion turns)."""
+def _split_transcript(text: str, field: str) -> _Transcript:
+    """Splits an Anthropic-HH transcript into its prompt turns and its completion turns."""
     parts = _HH_TURN.split("\n\n" + text.lstrip())
     if len(parts) == 1 or parts[0].strip():
         raise PreferenceRowError(
@@ -293,4 +299,4 @@ def _split_transcript(text: str, field: str) -> tuple[tuple[Message, ...], tuple
         )
     completion = turns[last_assistant:]
     _check_completion(completion, field)
-    return turns[:last_assistant], completion
+    return _Transcript(prompt=turns[:last_assistant], completion=completion)

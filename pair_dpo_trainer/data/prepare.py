@@ -28,10 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
+from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, load_rows, sha256_file
+from pair_dpo_trainer.data.splits import split_by_prompt
 from pair_dpo_trainer.errors import PairDPOError
 
 OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "manifest.json")
-FORMATS: dict[str, str] = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet"}
 MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/1"
 
 
@@ -70,6 +71,24 @@ class InputSummary:
 
 
 @dataclass(frozen=True)
+class LoadedTokenizer:
+    """The tokenizer and what the manifest records about it."""
+
+    tokenizer: Any
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ReadResult:
+    """Every accepted row of every input, the inputs and the rejections."""
+
+    candidates: list[Candidate]
+    inputs: list[InputSummary]
+    rejections: Counter[str]
+    examples: dict[str, str]
+
+
+@dataclass(frozen=True)
 class Split:
     """The selected train and eval rows."""
 
@@ -79,24 +98,14 @@ class Split:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Registers the ``prepare-data`` arguments on ``parser``."""
-    parser.add_argument(
-        "inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows."
-    )
-    parser.add_argument(
-        "--output", required=True, metavar="DIR", help="Output directory (created atomically)."
-    )
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows.")
+    parser.add_argument("--output", required=True, metavar="DIR", help="Output directory (created atomically).")
     parser.add_argument(
         "--tokenizer", required=True, metavar="PATH", help="Local tokenizer directory with a chat template."
     )
-    parser.add_argument(
-        "--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1)."
-    )
-    parser.add_argument(
-        "--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0)."
-    )
-    parser.add_argument(
-        "--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection."
-    )
+    parser.add_argument("--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1).")
+    parser.add_argument("--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0).")
+    parser.add_argument("--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection.")
     parser.add_argument(
         "--max-length",
         type=int,
@@ -118,9 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="T",
         help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected).",
     )
-    parser.add_argument(
-        "--strict", action="store_true", help="Fail on the first rejected row instead of counting."
-    )
+    parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -133,23 +140,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         _check_args(args)
         output = _check_output(Path(args.output), overwrite=args.overwrite)
-        tokenizer, tokenizer_info = _load_tokenizer(args.tokenizer)
-        candidates, inputs, rejections, examples = _read_all(args, tokenizer)
-        split = select_split(candidates, train_size=args.train_size, eval_size=args.eval_size, seed=args.seed)
+        loaded = _load_tokenizer(args.tokenizer)
+        read = _read_all(args, loaded.tokenizer)
+        split = select_split(read.candidates, train_size=args.train_size, eval_size=args.eval_size, seed=args.seed)
         if len(split.train) < args.train_size or len(split.eval) < args.eval_size:
-            raise UsageError(_shortfall_message(args, candidates, rejections, examples))
-        manifest = _manifest(args, inputs, len(candidates), rejections, tokenizer_info, split)
-        _write_atomically(output, split, manifest)
-    except (UsageError, PairDPOError) as exc:
+            raise UsageError(_shortfall_message(args, read))
+        _write_atomically(output, split, _manifest(args, read, loaded.info, split))
+    except (UsageError, InputError, PairDPOError) as exc:
         print(f"pair-dpo prepare-data: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(i.rows for i in inputs)
+    total = sum(i.rows for i in read.inputs)
     print(
-        f"read {total} rows from {len(inputs)} input(s); accepted {len(candidates)}; "
-        f"rejected {sum(rejections.values())}{_counts(rejections, ': ')}"
+        f"read {total} rows from {len(read.inputs)} input(s); accepted {len(read.candidates)}; "
+        f"rejected {sum(read.rejections.values())}{_counts(read.rejections)}"
     )
-    for code in sorted(examples):
-        print(f"  e.g. [{code}] {examples[code]}")
+    for code in sorted(read.examples):
+        print(f"  e.g. [{code}] {read.examples[code]}")
     print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
     return 0
 
@@ -162,26 +168,9 @@ def select_split(candidates: list[Candidate], *, train_size: int, eval_size: int
     short, it takes part of the smallest remaining group (the rest of that group is dropped). Train then
     takes groups in order, the last one possibly in part. A split that cannot be filled comes back short.
     """
-    groups: dict[str, list[Candidate]] = {}
-    for candidate in candidates:
-        groups.setdefault(candidate.prompt_hash, []).append(candidate)
-    order = sorted(groups, key=lambda h: hashlib.sha256(f"{seed}\0{h}".encode()).hexdigest())
-    eval_rows: list[Candidate] = []
-    rest: list[str] = []
-    for key in order:
-        if len(eval_rows) < eval_size and len(groups[key]) <= eval_size - len(eval_rows):
-            eval_rows.extend(groups[key])
-        else:
-            rest.append(key)
-    if len(eval_rows) < eval_size and rest:
-        smallest = min(rest, key=lambda h: len(groups[h]))
-        rest.remove(smallest)
-        eval_rows.extend(groups[smallest][: eval_size - len(eval_rows)])
-    train_rows: list[Candidate] = []
-    for key in rest:
-        if len(train_rows) >= train_size:
-            break
-        train_rows.extend(groups[key][: train_size - len(train_rows)])
+    train_rows, eval_rows = split_by_prompt(
+        candidates, lambda c: c.prompt_hash, train_size=train_size, eval_size=eval_size, seed=seed
+    )
     return Split(train=train_rows, eval=eval_rows)
 
 
@@ -200,7 +189,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.max_pair_tokens is not None and args.max_pair_tokens < 1:
         raise UsageError(f"--max-pair-tokens={args.max_pair_tokens}: must be >= 1.")
     for path in args.inputs:
-        if _format_of(path) is None:
+        if input_format(path) is None:
             raise UsageError(f"{path}: unsupported input format; use {', '.join(sorted(FORMATS))} files.")
 
 
@@ -223,7 +212,7 @@ def _check_output(output: Path, *, overwrite: bool) -> Path:
     return output
 
 
-def _load_tokenizer(path: str) -> tuple[Any, dict[str, Any]]:
+def _load_tokenizer(path: str) -> LoadedTokenizer:
     if not os.path.isdir(path):
         raise UsageError(f"--tokenizer {path}: not a directory; give a local tokenizer directory.")
     from transformers import AutoTokenizer
@@ -231,32 +220,24 @@ def _load_tokenizer(path: str) -> tuple[Any, dict[str, Any]]:
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # any loading failure is a bad --tokenizer argument
-        raise UsageError(
-            f"--tokenizer {path}: cannot load a tokenizer ({type(exc).__name__}: {exc})."
-        ) from exc
+        raise UsageError(f"--tokenizer {path}: cannot load a tokenizer ({type(exc).__name__}: {exc}).") from exc
     template = getattr(tokenizer, "chat_template", None)
     if not template:
-        raise UsageError(
-            f"--tokenizer {path}: the tokenizer has no chat template; add one (chat_template.jinja)."
-        )
+        raise UsageError(f"--tokenizer {path}: the tokenizer has no chat template; add one (chat_template.jinja).")
     if getattr(tokenizer, "eos_token_id", None) is None:
-        raise UsageError(
-            f"--tokenizer {path}: the tokenizer has no eos_token; set it in tokenizer_config.json."
-        )
+        raise UsageError(f"--tokenizer {path}: the tokenizer has no eos_token; set it in tokenizer_config.json.")
     tokenizer_json = Path(path, "tokenizer.json")
     template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
     info = {
         "name": os.path.basename(os.path.normpath(path)),
-        "tokenizer_json_sha256": _sha256_file(tokenizer_json) if tokenizer_json.is_file() else None,
+        "tokenizer_json_sha256": sha256_file(tokenizer_json) if tokenizer_json.is_file() else None,
         "chat_template_sha256": hashlib.sha256(template_text.encode("utf-8")).hexdigest(),
         "eos_token_id": int(tokenizer.eos_token_id),
     }
-    return tokenizer, info
+    return LoadedTokenizer(tokenizer=tokenizer, info=info)
 
 
-def _read_all(
-    args: argparse.Namespace, tokenizer: Any
-) -> tuple[list[Candidate], list[InputSummary], Counter[str], dict[str, str]]:
+def _read_all(args: argparse.Namespace, tokenizer: Any) -> ReadResult:
     from pair_dpo_trainer.data.tokenize import tokenize_dataset
 
     candidates: list[Candidate] = []
@@ -266,8 +247,8 @@ def _read_all(
     with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
         for path in args.inputs:
             name = os.path.basename(path)
-            rows = _load_rows(path, cache_dir)
-            inputs.append(InputSummary(name=name, sha256=_sha256_file(Path(path)), rows=len(rows)))
+            rows = load_rows(path, cache_dir)
+            inputs.append(InputSummary(name=name, sha256=sha256_file(Path(path)), rows=len(rows)))
             result = tokenize_dataset(
                 rows,
                 tokenizer,
@@ -281,101 +262,46 @@ def _read_all(
             rejections.update(result.rejections)
             for code, message in result.examples.items():
                 examples.setdefault(code, message)
-            for row, pair, features in zip(
-                result.row_indices, result.pairs or [], result.features, strict=True
-            ):
+            for row, pair, features in zip(result.row_indices, result.pairs or [], result.features, strict=True):
                 candidates.append(Candidate(name, row, pair, features, prompt_hash(pair)))
             del rows
-    return candidates, inputs, rejections, examples
+    return ReadResult(candidates=candidates, inputs=inputs, rejections=rejections, examples=examples)
 
 
-def _format_of(path: str) -> str | None:
-    return FORMATS.get(Path(path).suffix.lower())
-
-
-def _load_rows(path: str, cache_dir: str) -> Any:
-    """Loads one input through ``datasets``, caching in ``cache_dir``; raises UsageError if unreadable."""
-    if not os.path.isfile(path):
-        raise UsageError(f"{path}: no such file.")
-    try:
-        _sha256_file(Path(path))  # fails early, with a clear message, on an unreadable file
-        if _is_empty_json(path):
-            return []
-        import datasets
-
-        bars_were_enabled = datasets.is_progress_bar_enabled()
-        datasets.disable_progress_bars()
-        try:
-            return datasets.load_dataset(
-                _format_of(path), data_files=os.path.abspath(path), split="train", cache_dir=cache_dir
-            )
-        finally:
-            if bars_were_enabled:
-                datasets.enable_progress_bars()
-    except Exception as exc:  # any reading failure: the input is unreadable
-        cause = exc.__cause__ or exc
-        raise UsageError(
-            f"{path}: cannot read it as {_format_of(path)} ({type(cause).__name__}: {cause})."
-        ) from exc
-
-
-def _is_empty_json(path: str) -> bool:
-    if _format_of(path) != "json" or os.path.getsize(path) > 64:
-        return False
-    with open(path, "rb") as f:
-        return f.read().strip() in (b"", b"[]")
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _counts(counter: Counter[str], prefix: str = " by code: ") -> str:
+def _counts(counter: Counter[str]) -> str:
     if not counter:
         return ""
-    return prefix + ", ".join(f"{code}={counter[code]}" for code in sorted(counter))
+    return ": " + ", ".join(f"{code}={counter[code]}" for code in sorted(counter))
 
 
-def _shortfall_message(
-    args: argparse.Namespace, candidates: list[Candidate], rejections: Counter[str], examples: dict[str, str]
-) -> str:
+def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
     need = args.train_size + args.eval_size
-    prompts = len({c.prompt_hash for c in candidates})
-    rejected = sum(rejections.values())
-    hint = f" First rejection: {examples[min(examples)]}" if examples else ""
-    if len(candidates) < need:
+    valid = len(read.candidates)
+    if valid < need:
+        rejected = sum(read.rejections.values())
+        hint = f" First rejection: {read.examples[min(read.examples)]}" if read.examples else ""
         return (
-            f"only {len(candidates)} valid pairs ({rejected} rows rejected{_counts(rejections, ': ')}), but "
+            f"only {valid} valid pairs ({rejected} rows rejected{_counts(read.rejections)}), but "
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
         )
+    prompts = len({c.prompt_hash for c in read.candidates})
     return (
-        f"{len(candidates)} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
+        f"{valid} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
         f"{args.train_size} train + {args.eval_size} eval pairs without a prompt in both splits; "
         "lower the sizes."
     )
 
 
-def _manifest(
-    args: argparse.Namespace,
-    inputs: list[InputSummary],
-    accepted: int,
-    rejections: Counter[str],
-    tokenizer_info: dict[str, Any],
-    split: Split,
-) -> dict[str, Any]:
+def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[str, Any], split: Split) -> dict:
     from pair_dpo_trainer import __version__
 
     return {
         "format": MANIFEST_FORMAT,
         "package": {"name": "pair_dpo_trainer", "version": __version__},
-        "inputs": [{"name": i.name, "sha256": i.sha256, "rows": i.rows} for i in inputs],
-        "rows_read": sum(i.rows for i in inputs),
-        "accepted": accepted,
-        "rejections": {code: rejections[code] for code in sorted(rejections)},
+        "inputs": [{"name": i.name, "sha256": i.sha256, "rows": i.rows} for i in read.inputs],
+        "rows_read": sum(i.rows for i in read.inputs),
+        "accepted": len(read.candidates),
+        "rejections": {code: read.rejections[code] for code in sorted(read.rejections)},
         "seed": args.seed,
         "train_size": args.train_size,
         "eval_size": args.eval_size,
@@ -403,9 +329,7 @@ def _write_atomically(output: Path, split: Split, manifest: dict[str, Any]) -> N
         outputs = {}
         for name, rows in (("train.jsonl", split.train), ("eval.jsonl", split.eval)):
             outputs[name] = {"rows": len(rows), "sha256": _write_jsonl(tmp / name, rows)}
-        text = (
-            json.dumps({**manifest, "outputs": outputs}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        )
+        text = json.dumps({**manifest, "outputs": outputs}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
         (tmp / "manifest.json").write_bytes(text.encode("utf-8"))
         _replace_dir(tmp, output)
     except OSError as exc:
@@ -420,9 +344,7 @@ def _write_jsonl(path: Path, rows: list[Candidate]) -> str:
     digest = hashlib.sha256()
     with open(path, "wb") as f:
         for candidate in rows:
-            line = json.dumps(
-                candidate.to_json_row(), sort_keys=True, ensure_ascii=False, separators=(",", ":")
-            )
+            line = json.dumps(candidate.to_json_row(), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
             data = (line + "\n").encode("utf-8")
             digest.update(data)
             f.write(data)

@@ -22,7 +22,7 @@ import functools
 import inspect
 import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,6 +126,7 @@ def tokenize_pair(
 
     Example:
         >>> pair = normalize_row({"prompt": "Hi", "chosen": "Hello!", "rejected": "Go away."})
+        >>> # with a template rendering ``<|user|>{content}\\n`` and ``<|assistant|>{content}</s>``:
         >>> tp = tokenize_pair(pair, tokenizer, max_length=512, max_prompt_length=256)  # doctest: +SKIP
         >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
         ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
@@ -134,10 +135,19 @@ def tokenize_pair(
     eos = _eos_token_id(tokenizer)
     prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
     chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
-    rejected = _completion_ids(
-        tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected"
-    )
+    rejected = _completion_ids(tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected")
+    return _truncate(prompt_ids, chosen, rejected, max_length, max_prompt_length, max_pair_tokens)
 
+
+def _truncate(
+    prompt_ids: list[int],
+    chosen: list[int],
+    rejected: list[int],
+    max_length: int,
+    max_prompt_length: int | None,
+    max_pair_tokens: int | None,
+) -> TokenizedPair:
+    """Left-truncates the prompt, right-truncates the completions, then checks the pair."""
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         prompt_ids = prompt_ids[-max_prompt_length:]
     room = max_length - len(prompt_ids)
@@ -201,30 +211,37 @@ def tokenize_dataset(
         (1, {'schema': 1})
     """
     _check_lengths(max_length, max_prompt_length, max_pair_tokens)
-    total = (
-        len(dataset_or_rows)
-        if isinstance(dataset_or_rows, Sequence) or hasattr(dataset_or_rows, "__len__")
-        else None
+    tokenize = functools.partial(
+        tokenize_pair,
+        tokenizer=tokenizer,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        max_pair_tokens=max_pair_tokens,
     )
+    total = len(dataset_or_rows) if hasattr(dataset_or_rows, "__len__") else None
     if progress is None:
         progress = total is not None and total >= PROGRESS_MIN_ROWS and sys.stderr.isatty()
+    rows = _progress(dataset_or_rows, total, progress, desc)
+    return _tokenize_rows(rows, tokenize, strict=strict, keep_pairs=keep_pairs, desc=desc)
+
+
+def _tokenize_rows(
+    rows: Iterable[Any],
+    tokenize: Callable[[PreferencePair], TokenizedPair],
+    *,
+    strict: bool,
+    keep_pairs: bool,
+    desc: str,
+) -> TokenizationResult:
     features: list[dict[str, list[int]]] = []
     row_indices: list[int] = []
     pairs: list[PreferencePair] = []
     rejections: Counter[str] = Counter()
     examples: dict[str, str] = {}
-    num_rows = 0
-    for index, row in enumerate(_progress(dataset_or_rows, total, progress, desc)):
-        num_rows += 1
+    for index, row in enumerate(rows):
         try:
             pair = normalize_row(row)
-            tokenized = tokenize_pair(
-                pair,
-                tokenizer,
-                max_length=max_length,
-                max_prompt_length=max_prompt_length,
-                max_pair_tokens=max_pair_tokens,
-            )
+            tokenized = tokenize(pair)
         except PreferenceRowError as exc:
             if strict:
                 raise PreferenceRowError(exc.reason_code, f"{desc} row {index}: {exc.message}") from exc
@@ -235,9 +252,8 @@ def tokenize_dataset(
         row_indices.append(index)
         if keep_pairs:
             pairs.append(pair)
-    return TokenizationResult(
-        features, row_indices, rejections, examples, num_rows, pairs if keep_pairs else None
-    )
+    num_rows = len(features) + sum(rejections.values())
+    return TokenizationResult(features, row_indices, rejections, examples, num_rows, pairs if keep_pairs else None)
 
 
 def pair_costs(rows: Any) -> list[int]:
@@ -251,20 +267,18 @@ def pair_costs(rows: Any) -> list[int]:
         >>> pair_costs([row])
         [8]
     """
-    if hasattr(rows, "column_names") and hasattr(rows, "with_format"):
+    datasets = sys.modules.get("datasets")  # a datasets.Dataset exists only if datasets is imported
+    if datasets is not None and isinstance(rows, datasets.Dataset):
         missing = [c for c in FEATURE_COLUMNS if c not in rows.column_names]
         if missing:
-            raise KeyError(
-                f"the dataset lacks the column(s) {missing}; tokenise it first (tokenize_dataset)."
-            )
+            raise KeyError(f"the dataset lacks the column(s) {missing}; tokenise it first (tokenize_dataset).")
         import pyarrow.compute as pc
 
         table = rows.select_columns(list(FEATURE_COLUMNS)).with_format("arrow")[:]
         lengths = [pc.list_value_length(table[c]).to_pylist() for c in FEATURE_COLUMNS]
         return [2 * p + c + r for p, c, r in zip(*lengths, strict=True)]
     return [
-        2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
-        for row in rows
+        2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"]) for row in rows
     ]
 
 

@@ -30,17 +30,13 @@ def _positive_int(text: str) -> int:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the ``verify-snapshot`` arguments to ``parser``."""
-    parser.add_argument(
-        "path", help="Directory written by `hf download REPO --revision SHA --local-dir DIR`."
-    )
+    parser.add_argument("path", help="Directory written by `hf download REPO --revision SHA --local-dir DIR`.")
     parser.add_argument(
         "--revision",
         required=True,
         help="The pinned commit: 40 lowercase hex digits (branches/tags refused).",
     )
-    parser.add_argument(
-        "--json", action="store_true", dest="as_json", help="Print one JSON object on stdout."
-    )
+    parser.add_argument("--json", action="store_true", dest="as_json", help="Print one JSON object on stdout.")
     parser.add_argument(
         "--allow-pickle", action="store_true", help="Accept .bin (pickle) weights when no safetensors exist."
     )
@@ -60,11 +56,9 @@ class _Progress:
         if not self.enabled:
             return
         if self.bar is None:
-            from tqdm.auto import tqdm
+            from tqdm import tqdm
 
-            self.bar = tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="hashing", file=sys.stderr
-            )
+            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="hashing", file=sys.stderr)
         self.bar.update(delta)
 
     def close(self) -> None:

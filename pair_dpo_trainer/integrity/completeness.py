@@ -55,9 +55,7 @@ def _load_weight_map(root: Path, index: str) -> dict[str, object]:
         with open(root / index, "rb") as f:
             raw = f.read(INDEX_MAX_BYTES + 1)
     except OSError as exc:
-        raise SnapshotIntegrityError(
-            "unreadable_file", f"cannot read the weight index: {exc}", index
-        ) from exc
+        raise SnapshotIntegrityError("unreadable_file", f"cannot read the weight index: {exc}", index) from exc
     if len(raw) > INDEX_MAX_BYTES:
         raise SnapshotIntegrityError("malformed_index", f"larger than {INDEX_MAX_BYTES} bytes", index)
     try:

@@ -141,9 +141,7 @@ def _check_one(job: HashJob, on_bytes: Callable[[int], None], stop: threading.Ev
     try:
         digest, size = hash_file(job.path, job.kind, on_bytes=on_bytes, stop=stop)
     except FileNotFoundError as exc:
-        raise SnapshotIntegrityError(
-            "file_missing", f"file vanished while verifying: {exc}", job.rel
-        ) from exc
+        raise SnapshotIntegrityError("file_missing", f"file vanished while verifying: {exc}", job.rel) from exc
     except OSError as exc:
         raise SnapshotIntegrityError("unreadable_file", f"cannot read file: {exc}", job.rel) from exc
     if digest != job.expected:
@@ -195,9 +193,7 @@ def verify_hashes(
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pair-dpo-hash") as pool:
         futures = {i: pool.submit(_check_one, jobs[i], on_bytes, stop) for i in order}
         done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
-        failed = sorted(
-            (jobs[i].rel, f) for i, f in futures.items() if f in done and f.exception() is not None
-        )
+        failed = sorted((jobs[i].rel, f) for i, f in futures.items() if f in done and f.exception() is not None)
         if failed:
             stop.set()
             for future in futures.values():

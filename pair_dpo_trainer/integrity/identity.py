@@ -260,9 +260,7 @@ def read_identity(checkpoint_dir: str | os.PathLike[str]) -> ReferenceIdentity:
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise SnapshotIntegrityError(
-            "identity_malformed", f"not valid JSON: {exc}", IDENTITY_FILENAME
-        ) from None
+        raise SnapshotIntegrityError("identity_malformed", f"not valid JSON: {exc}", IDENTITY_FILENAME) from None
     return ReferenceIdentity.from_dict(data)
 
 
@@ -321,9 +319,7 @@ class IdentityComparison:
 
 def compare_identity(expected: ReferenceIdentity, actual: ReferenceIdentity) -> IdentityComparison:
     """Compares the recorded identity (``expected``) with the current one (``actual``)."""
-    changed = sorted(
-        p for p in set(expected.files) | set(actual.files) if expected.files.get(p) != actual.files.get(p)
-    )
+    changed = sorted(p for p in set(expected.files) | set(actual.files) if expected.files.get(p) != actual.files.get(p))
     not_compared = []
     differs = {}
     for key, attr in (("params", "param_digest"), ("probe", "probe_digest")):

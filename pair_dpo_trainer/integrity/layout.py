@@ -111,13 +111,9 @@ def resolve_inside(root: Path, rel: str, *, what: str) -> Path:
     try:
         inner = real.relative_to(root).as_posix()
     except ValueError:
-        raise SnapshotIntegrityError(
-            "unsafe_path", f"{what} resolves outside the snapshot (to {real})", rel
-        ) from None
+        raise SnapshotIntegrityError("unsafe_path", f"{what} resolves outside the snapshot (to {real})", rel) from None
     if inner != "." and is_bookkeeping(inner):
-        raise SnapshotIntegrityError(
-            "unsafe_path", f"{what} resolves into .cache/huggingface/ bookkeeping", rel
-        )
+        raise SnapshotIntegrityError("unsafe_path", f"{what} resolves into .cache/huggingface/ bookkeeping", rel)
     return real
 
 

@@ -181,14 +181,11 @@ def verify_snapshot(
     matched = _match_payload(root, payload, records)
     weight_files = check_completeness(root, set(matched), allow_pickle=allow_pickle)
     jobs = [
-        HashJob(
-            rel, real, KIND_BY_ETAG_LENGTH[len(records[rel].etag)], records[rel].etag, real.stat().st_size
-        )
+        HashJob(rel, real, KIND_BY_ETAG_LENGTH[len(records[rel].etag)], records[rel].etag, real.stat().st_size)
         for rel, real in sorted(matched.items())
     ]
     results = verify_hashes(jobs, threads=threads, progress=progress)
     files = tuple(
-        VerifiedFile(job.rel, size, job.kind, digest)
-        for job, (digest, size) in zip(jobs, results, strict=True)
+        VerifiedFile(job.rel, size, job.kind, digest) for job, (digest, size) in zip(jobs, results, strict=True)
     )
     return VerifiedSnapshot(root, revision, files, manifest_digest(files), weight_files)

@@ -141,34 +141,38 @@ def register_pair_varlen() -> str:
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Strip wrappers that hold the model as ``.module`` (DDP, DeepSpeed engine) down to the HF model."""
-    while not isinstance(model, PreTrainedModel) and isinstance(
-        getattr(model, "module", None), torch.nn.Module
-    ):
+    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
         model = model.module
     return model
 
 
-def enable_pair_varlen(
-    model: torch.nn.Module, backend: str = "auto", device: torch.device | str | None = None
-) -> str:
+def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: torch.device | str | None = None) -> str:
     """Switch ``model`` to ``attn_implementation="pair_varlen"`` with the given backend.
+
+    The backend is stored on the model's modules and resolved at each attention call for the device and dtype
+    the attention actually runs on (cached), so the model may be moved or cast after this call, and AMP
+    (fp32 weights, bf16 activations) works. Here only the device is validated.
 
     Args:
         model: A transformers causal LM (or a wrapper around one).
-        backend: ``"auto"`` or one of :data:`BACKENDS`; stored on the model's modules and resolved per call
-            for the device and dtype the attention actually runs on (cached).
-        device: Device to validate the backend for (default: the device of the model's first parameter).
+        backend: ``"auto"`` or one of :data:`BACKENDS`.
+        device: Device the model will run on. Default: the device of its parameters, or, while they are
+            still on the CPU, the CUDA device when one is available (a trainer moves the model later).
 
     Returns:
-        The backend that will run on ``device`` (for logs).
+        The backend expected on ``device`` for fp16/bf16 activations (for logs; fp32 activations on CUDA run
+        ``sdpa_segments`` under ``"auto"``).
 
     Raises:
         ConfigError: as :func:`select_attn_backend`; ``attn_backend_unavailable`` if the model class cannot
             switch its attention implementation (it does not use ``AttentionInterface``).
     """
     target = unwrap_model(model)
-    first = next(target.parameters())
-    resolved = select_attn_backend(backend, device or first.device, first.dtype)
+    if device is None:
+        device = next(target.parameters()).device
+        if device.type == "cpu" and torch.cuda.is_available():
+            device = torch.device("cuda")
+    resolved = select_attn_backend(backend, device)
     register_pair_varlen()
     if target.config._attn_implementation != PAIR_VARLEN:
         target.set_attn_implementation(PAIR_VARLEN)
@@ -304,9 +308,7 @@ def varlen_attention(
     if sliding_window is not None and not causal:
         raise ConfigError("attn_feature_unsupported", "a bidirectional sliding window is not supported")
     if softcap and backend != "flash_attn":
-        raise ConfigError(
-            "attn_feature_unsupported", f"attention soft-capping needs flash_attn, not {backend}"
-        )
+        raise ConfigError("attn_feature_unsupported", f"attention soft-capping needs flash_attn, not {backend}")
     left = -1 if sliding_window is None else int(sliding_window) - 1
     if backend == "sdpa_segments":
         return _sdpa_segments(query, key, value, cu_seqlens.tolist(), scale, causal, sliding_window, dropout)
@@ -347,9 +349,7 @@ def _sdpa_segments(
 ) -> torch.Tensor:
     """SDPA once per segment: exact, no cross-segment ``[N, N]`` mask. Shapes as :func:`varlen_attention`."""
     if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-        raise ValueError(
-            f"cu_seqlens must span all {query.shape[0]} tokens, got bounds {bounds[0]}..{bounds[-1]}"
-        )
+        raise ValueError(f"cu_seqlens must span all {query.shape[0]} tokens, got bounds {bounds[0]}..{bounds[-1]}")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)

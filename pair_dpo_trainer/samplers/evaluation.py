@@ -44,9 +44,7 @@ def plan_eval(
             "sizes must be positive and the rank inside the world.",
         )
     if len(costs) == 0:
-        raise ScheduleError(
-            "too_few_pairs", "the eval dataset is empty: pass eval pairs or disable evaluation."
-        )
+        raise ScheduleError("too_few_pairs", "the eval dataset is empty: pass eval pairs or disable evaluation.")
     order = sorted(range(len(costs)), key=lambda i: (-costs[i], i))
     step = world_size * pairs_per_microbatch
     batches: list[list[WeightedIndex]] = []
@@ -62,12 +60,8 @@ class EvalBatchSampler:
     Use with :class:`WeightedPairs`, which turns a key into the feature dict plus ``pair_weight``.
     """
 
-    def __init__(
-        self, costs: Sequence[int], *, world_size: int, rank: int, pairs_per_microbatch: int
-    ) -> None:
-        self._batches = plan_eval(
-            costs, world_size=world_size, rank=rank, pairs_per_microbatch=pairs_per_microbatch
-        )
+    def __init__(self, costs: Sequence[int], *, world_size: int, rank: int, pairs_per_microbatch: int) -> None:
+        self._batches = plan_eval(costs, world_size=world_size, rank=rank, pairs_per_microbatch=pairs_per_microbatch)
 
     def __iter__(self) -> Iterator[list[WeightedIndex]]:
         return iter(self._batches)

@@ -374,9 +374,7 @@ def _check_layout(world_size: int, pairs_per_rank: int, microbatches: int) -> No
     }
     for name, (value, option) in options.items():
         if not is_integer(value) or value < 1:
-            raise ScheduleError(
-                "bad_layout", f"{name} must be a positive integer, got {value!r}; check {option}."
-            )
+            raise ScheduleError("bad_layout", f"{name} must be a positive integer, got {value!r}; check {option}.")
     if microbatches > pairs_per_rank:
         raise ScheduleError(
             "microbatches_exceed_pairs",

@@ -63,9 +63,7 @@ class PairBatchSampler(Sampler[list[int]]):
         self._start_step = 0
         first = self._plan(epoch)  # validates every argument now rather than at the first iteration
         if not is_integer(rank) or not 0 <= rank < world_size:
-            raise ScheduleError(
-                "bad_layout", f"rank must be an integer in [0, world_size={world_size}), got {rank!r}."
-            )
+            raise ScheduleError("bad_layout", f"rank must be an integer in [0, world_size={world_size}), got {rank!r}.")
         self.rank = rank
         self.world_size = world_size
         self.pairs_per_rank = pairs_per_rank

@@ -1,0 +1,51 @@
+"""Shared builders for trainer tests: a tiny random Llama and synthetic tokenised pairs (no files, no downloads)."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+VOCAB = 64
+EOS = 2
+
+
+def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A 2-layer GQA Llama, float32, identical for a given seed on every process."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    return LlamaForCausalLM(config).float()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A tokenizer object for the Trainer's bookkeeping (pairs are given as token ids)."""
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", pad_token="t0", bos_token="t1")
+
+
+def synthetic_pairs(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """``n`` tokenised pairs with varied lengths; completions end with EOS and chosen != rejected."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt = [rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 12))]
+        chosen = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 10))] + [EOS]
+        rejected = [rng.randrange(4, VOCAB) for _ in range(rng.randint(1, 10))] + [EOS]
+        if rejected == chosen:
+            rejected = [4] + rejected
+        rows.append({"prompt_input_ids": prompt, "chosen_input_ids": chosen, "rejected_input_ids": rejected})
+    return rows
