@@ -1,0 +1,67 @@
+"""DP x GA invariance and rank disagreement with 2 real processes (torchrun, gloo on CPU), not mocked.
+
+One launch runs every 2-process phase (see tests/dist_worker.py); the DP=1 reference runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.dist_worker import NUM_PAIRS, run_layout
+
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("dist")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+        str(ROOT / "tests" / "dist_worker.py"), str(out_dir),
+    ]
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def dp1_ga2(tmp_path_factory):
+    return run_layout(tmp_path_factory.mktemp("dp1"), "dp1_ga2", world_size=1, ga=2)
+
+
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, layout):
+    other = torch.load(two_rank_results / f"{layout}.pt")
+    assert set(other["grads"]) == set(dp1_ga2["grads"]) and len(other["grads"]) > 0
+    scale = max(float(g.abs().max()) for g in dp1_ga2["grads"].values())
+    assert scale > 0
+    for name, grad in dp1_ga2["grads"].items():
+        diff = float((other["grads"][name] - grad).abs().max())
+        assert diff / scale < 1e-6, f"{layout} {name}: max abs diff {diff:.3e} vs scale {scale:.3e}"
+
+
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+def test_five_step_loss_curves_and_parameters_match(two_rank_results, dp1_ga2, layout):
+    other = torch.load(two_rank_results / f"{layout}.pt")
+    assert len(other["losses"]) == len(dp1_ga2["losses"]) == 5
+    assert other["losses"] == pytest.approx(dp1_ga2["losses"], abs=1e-5)
+    for name, param in dp1_ga2["params"].items():
+        torch.testing.assert_close(other["params"][name], param, atol=1e-5, rtol=0, msg=name)
+
+
+def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):
+    for rank in (0, 1):
+        result = json.loads((two_rank_results / f"disagree_rank{rank}.json").read_text())
+        assert result["reason_code"] == "ranks_disagree", result
+        assert "same dataset" in result["message"]
+        assert result["seconds"] < 60
+    assert NUM_PAIRS > 0
