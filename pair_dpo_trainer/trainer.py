@@ -29,7 +29,7 @@ from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
-from pair_dpo_trainer.reference import FrozenReference, NoReference, Reference, load_reference_model
+from pair_dpo_trainer.reference.build import build_reference
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 
@@ -89,7 +89,7 @@ class PairDPOTrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
-        self.reference = self._build_reference(model, policy_source, ref_model)
+        self.reference = build_reference(args, model, policy_source=policy_source, ref_model=ref_model)
         self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
@@ -106,20 +106,6 @@ class PairDPOTrainer(Trainer):
             max_prompt_length=args.max_prompt_length,
             max_pair_tokens=args.max_tokens_per_microbatch,
         )
-
-    def _build_reference(
-        self, policy: PreTrainedModel, policy_source: str | None, ref_model: PreTrainedModel | None
-    ) -> Reference:
-        if self.args.reference_free:
-            if ref_model is not None:
-                raise ValueError("reference_free=True builds no reference: do not pass ref_model.")
-            return NoReference()
-        if ref_model is None:
-            ref_model = load_reference_model(
-                policy, policy_source=policy_source, ref_model_name_or_path=self.args.ref_model_name_or_path
-            )
-        enable_pair_varlen(ref_model, self.args.attn_backend)
-        return FrozenReference(ref_model.to(self.args.device), chunk_size=self.args.logps_chunk_size)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:

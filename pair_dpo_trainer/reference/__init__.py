@@ -1,0 +1,10 @@
+"""The reference of DPO: how it is built, verified, identified and run.
+
+- :mod:`.base`: the ``Reference`` protocol and the in-process backends (``NoReference``, ``FrozenReference``).
+- :mod:`.source`: which local directory and pinned revision the reference comes from, verified before loading.
+- :mod:`.gate`: the reference identity written beside every checkpoint and checked on resume.
+"""
+
+from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
+
+__all__ = ["FrozenReference", "NoReference", "Reference", "load_reference_model"]
