@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import AutoTokenizer, HfArgumentParser
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.data.splits import load_train_eval
-from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.plotting import CURVES_FILENAME, plot_training_curves
 
 # Defaults of the bundled demo run (any flag overrides them).
@@ -30,6 +31,7 @@ DEMO_DEFAULTS = {
     "max_length": 128,
     "max_prompt_length": 64,
     "eval_strategy": "steps",
+    "eval_on_start": True,
     "eval_steps": 50,
     "logging_steps": 10,
     "save_steps": 100,
@@ -69,8 +71,14 @@ def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, PairDPOC
     return parser.parse_args_into_dataclasses(argv)
 
 
+def _is_bundled(path: str) -> bool:
+    return Path(path).resolve() == bundled_model_dir().resolve()
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
+    if _is_bundled(model_args.model_name_or_path) and not config.reference_free and config.ref_model_revision is None:
+        config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     train_rows, eval_rows = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     trainer = PairDPOTrainer(

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from transformers import TrainingArguments
 
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.integrity.layout import is_pinned_revision
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
 from pair_dpo_trainer.modeling.attention import BACKENDS
 
@@ -52,6 +53,22 @@ class PairDPOConfig(TrainingArguments):
     )
     ref_model_revision: str | None = field(
         default=None, metadata={"help": "Pinned 40-hex commit of the reference snapshot (default: the policy's)."}
+    )
+    ref_model_repo_id: str | None = field(
+        default=None, metadata={"help": "Hub repository id of the reference, recorded in its identity (optional)."}
+    )
+    allow_unpinned_reference: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept a reference that is not verified against a pinned ref_model_revision (logs a warning "
+            "and records pinned=false)."
+        },
+    )
+    allow_pickle_weights: bool = field(
+        default=False, metadata={"help": "Accept pickle (.bin) reference weights when there are no safetensors."}
+    )
+    verify_threads: int | None = field(
+        default=None, metadata={"help": "Threads hashing the reference snapshot (None: one per core)."}
     )
     max_length: int = field(
         default=1024, metadata={"help": "Maximum tokens of one sequence (prompt + one completion)."}
@@ -130,6 +147,14 @@ class PairDPOConfig(TrainingArguments):
                     "reference_conflict",
                     "reference_free=True builds no reference: remove ref_model_name_or_path / "
                     "ref_model_revision, or set reference_free=False.",
+                )
+            )
+        if self.ref_model_revision is not None and not is_pinned_revision(self.ref_model_revision):
+            problems.append(
+                (
+                    "revision_not_pinned",
+                    f"ref_model_revision={self.ref_model_revision!r}: give the full 40-hex lowercase commit (branch "
+                    "names, tags and short SHAs move or are ambiguous).",
                 )
             )
         problems.extend(self._length_problems())

@@ -19,17 +19,21 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset
 from pair_dpo_trainer.distributed import assert_ranks_agree
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.integrity import write_identity
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference.build import build_reference
+from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
+from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 
@@ -70,26 +74,28 @@ class PairDPOTrainer(Trainer):
         ref_model: PreTrainedModel | None = None,
         **kwargs: Any,
     ) -> None:
-        policy_source = str(model) if isinstance(model, (str, Path)) else None
-        if policy_source is not None:
-            model = AutoModelForCausalLM.from_pretrained(policy_source)
+        if not isinstance(args, PairDPOConfig):
+            raise ConfigError("bad_args", "PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass)")
+        model, policy_source, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
-        train_dataset = self._pairs(train_dataset, processing_class, args)
-        eval_dataset = self._pairs(eval_dataset, processing_class, args)
-        collator = PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0)
         super().__init__(
             model=model,
             args=args,
-            data_collator=collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
+            data_collator=PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0),
+            train_dataset=self._pairs(train_dataset, processing_class, args),
+            eval_dataset=self._pairs(eval_dataset, processing_class, args),
             processing_class=processing_class,
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
-        self.reference = build_reference(args, model, policy_source=policy_source, ref_model=ref_model)
+        self.reference = build_reference(args, model, source=self.reference_source, ref_model=ref_model)
+        self.reference_identity = None
+        if self.reference_source is not None:
+            self.reference_identity = compute_identity(
+                self.reference_source, self.reference, vocab_size=model.config.vocab_size, device=args.device
+            )
         self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
@@ -106,6 +112,24 @@ class PairDPOTrainer(Trainer):
             max_prompt_length=args.max_prompt_length,
             max_pair_tokens=args.max_tokens_per_microbatch,
         )
+
+    # ------------------------------------------------------------------ reference identity
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+        """``Trainer.train``; a resume first proves the checkpoint was trained against this same reference."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
+        if resume_from_checkpoint and self.reference_identity is not None:
+            check_resume_identity(resume_from_checkpoint, self.reference_identity)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Saves the checkpoint, then writes the reference identity beside it (atomically)."""
+        super()._save_checkpoint(model, trial)
+        if self.reference_identity is not None and self.args.should_save:
+            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            write_identity(folder, self.reference_identity)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -221,6 +245,25 @@ class PairDPOTrainer(Trainer):
             train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
             logs.update(train_metrics)
         super().log(logs, start_time)
+
+
+def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool):
+    """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
+
+    Returns:
+        ``(policy, policy_source, reference_source)``: ``policy_source`` is the directory the policy was loaded
+        from (None when passed in memory).
+    """
+    policy_source = str(model) if isinstance(model, (str, Path)) else None
+    reference_source = resolve_reference_source(
+        args,
+        policy_source=policy_source,
+        policy_name_or_path=getattr(model, "name_or_path", None),
+        ref_model_given=ref_model_given,
+    )
+    if policy_source is not None:
+        model = AutoModelForCausalLM.from_pretrained(policy_source)
+    return model, policy_source, reference_source
 
 
 def pair_logps_from_sequences(policy_logps: torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch) -> PairLogps:

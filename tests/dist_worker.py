@@ -39,9 +39,20 @@ class FirstStepGradients(TrainerCallback):
 
 def build_trainer(out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, **kwargs) -> PairDPOTrainer:
     config = PairDPOConfig(
-        output_dir=str(out_dir), report_to="none", use_cpu=True, seed=0, max_steps=max_steps, logging_steps=1,
-        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * ga), gradient_accumulation_steps=ga,
-        learning_rate=1e-2, max_grad_norm=0.0, save_strategy="no", disable_tqdm=True, **kwargs,
+        output_dir=str(out_dir),
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_steps=max_steps,
+        logging_steps=1,
+        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * ga),
+        gradient_accumulation_steps=ga,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        disable_tqdm=True,
+        allow_unpinned_reference=True,
+        **kwargs,
     )
     return PairDPOTrainer(model=tiny_llama(0), args=config, train_dataset=pairs, processing_class=tiny_tokenizer())
 

@@ -17,9 +17,18 @@ from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:
     base = dict(
-        output_dir=str(tmp_path / "out"), report_to="none", per_device_train_batch_size=4,
-        gradient_accumulation_steps=2, per_device_eval_batch_size=8, learning_rate=1e-3, save_strategy="no",
-        logging_steps=1, seed=0, use_cpu=True, disable_tqdm=True,
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-3,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        allow_unpinned_reference=True,
     )
     base.update(kwargs)
     return PairDPOConfig(**base)
@@ -27,8 +36,12 @@ def _config(tmp_path, **kwargs) -> PairDPOConfig:
 
 def _trainer(tmp_path, pairs, ref_model=None, **kwargs) -> PairDPOTrainer:
     return PairDPOTrainer(
-        model=tiny_llama(0), args=_config(tmp_path, **kwargs), train_dataset=pairs, eval_dataset=pairs,
-        processing_class=tiny_tokenizer(), ref_model=ref_model,
+        model=tiny_llama(0),
+        args=_config(tmp_path, **kwargs),
+        train_dataset=pairs,
+        eval_dataset=pairs,
+        processing_class=tiny_tokenizer(),
+        ref_model=ref_model,
     )
 
 
@@ -48,8 +61,15 @@ def test_step0_loss_is_ln2_when_reference_equals_policy(tmp_path):
     metrics = trainer.evaluate()
     assert metrics["eval_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics["eval_rewards/margins"] == pytest.approx(0.0, abs=1e-6)
-    for key in ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "logps/chosen", "logps/rejected",
-                "tokens_per_second", "pairs_per_second"):
+    for key in (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "logps/chosen",
+        "logps/rejected",
+        "tokens_per_second",
+        "pairs_per_second",
+    ):
         assert f"eval_{key}" in metrics
 
 
@@ -80,7 +100,8 @@ def test_packed_eval_loss_equals_padded_computation_with_distinct_reference(tmp_
         "sigmoid": -F.logsigmoid(beta * h),
         "ipo": (h - 1 / (2 * beta)) ** 2,
         "hinge": torch.relu(1 - beta * h),
-        "robust": (-(1 - smoothing) * F.logsigmoid(beta * h) + smoothing * F.logsigmoid(-beta * h)) / (1 - 2 * smoothing),
+        "robust": (-(1 - smoothing) * F.logsigmoid(beta * h) + smoothing * F.logsigmoid(-beta * h))
+        / (1 - 2 * smoothing),
         "sigmoid_nll": -F.logsigmoid(beta * h) - pc / torch.tensor([len(p["chosen_input_ids"]) for p in pairs]),
     }
     assert metrics["eval_loss"] == pytest.approx(float(formulas[loss_type].mean()), rel=1e-4, abs=1e-5)
@@ -119,5 +140,6 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > 3]
 
     assert losses(resumed) == pytest.approx(losses(straight), abs=1e-6)
-    for (name, p_straight), p_resumed in zip(straight.model.named_parameters(), resumed.model.parameters()):
-        torch.testing.assert_close(p_resumed, p_straight, atol=1e-6, rtol=0, msg=name)
+    resumed_params = dict(resumed.model.named_parameters())
+    for name, p_straight in straight.model.named_parameters():
+        torch.testing.assert_close(resumed_params[name], p_straight, atol=1e-6, rtol=0, msg=name)

@@ -49,22 +49,22 @@ class FrozenReference:
     def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
         return packed_sequence_logps(self.model, batch, chunk_size=self.chunk_size)
 
+    def identity_parameters(self):
+        """The parameters covered by the reference identity's parameter digest."""
+        return self.model.named_parameters()
 
-def load_reference_model(
-    policy: PreTrainedModel, *, policy_source: str | None, ref_model_name_or_path: str | None
-) -> PreTrainedModel:
-    """Builds the reference weights: an explicit directory, else the policy's directory, else a copy in memory.
+
+def load_reference_model(policy: PreTrainedModel, directory: str | None) -> PreTrainedModel:
+    """Loads the reference weights from ``directory`` (verified beforehand when pinned), else copies the policy.
 
     Args:
-        policy: The policy before any training step.
-        policy_source: The directory the policy was loaded from when the trainer was given a path, else None (a
-            model passed in memory is copied, so a reference always equals the policy's starting point).
-        ref_model_name_or_path: ``PairDPOConfig.ref_model_name_or_path``.
+        policy: The policy before any training step (its dtype is kept).
+        directory: The reference directory chosen by :func:`pair_dpo_trainer.reference.source.resolve_reference_source`;
+            None when the reference is a copy of the in-memory policy.
 
     Returns:
-        The reference model on the policy's device and dtype (CPU until the trainer moves it).
+        The reference model on the CPU (the caller moves it).
     """
-    source = ref_model_name_or_path or policy_source
-    if source is None:
+    if directory is None:
         return copy.deepcopy(policy)
-    return AutoModelForCausalLM.from_pretrained(source, dtype=policy.dtype)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=policy.dtype)

@@ -1,0 +1,69 @@
+"""The default `train.py` run end to end (shortened) and `pair-dpo plot`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "run"
+    metrics = train.main(
+        [
+            "--output_dir",
+            str(out),
+            "--max_steps",
+            "80",
+            "--eval_steps",
+            "40",
+            "--save_steps",
+            "40",
+            "--disable_tqdm",
+            "true",
+            "--use_cpu",
+            "true",
+        ]
+    )
+    return out, metrics
+
+
+def test_default_run_learns_the_demo_preference(demo_run):
+    out, metrics = demo_run
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    evals = [entry for entry in history if "eval_rewards/accuracies" in entry]
+    assert evals[0]["step"] == 0 and evals[0]["eval_loss"] == pytest.approx(math.log(2), abs=1e-5)
+    assert evals[0]["eval_rewards/accuracies"] < 0.5
+    assert metrics["eval_rewards/accuracies"] >= 0.9
+    assert metrics["eval_loss"] < math.log(2) - 0.1
+
+
+def test_default_run_writes_checkpoints_identity_and_curves(demo_run):
+    out, _ = demo_run
+    for step in (40, 80):
+        checkpoint = out / f"checkpoint-{step}"
+        identity = json.loads((checkpoint / "pair_dpo_reference.json").read_text())
+        assert identity["pinned"] is True and identity["revision"] == train.DEMO_REVISION
+    assert (out / "training_curves.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_plot_cli_redraws_curves_from_trainer_state(demo_run, tmp_path):
+    out, _ = demo_run
+    (out / "training_curves.png").unlink()
+    proc = subprocess.run(["pair-dpo", "plot", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "training_curves.png").read_bytes()[:8] == PNG_MAGIC
+    missing = subprocess.run(["pair-dpo", "plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert missing.returncode == 2 and "trainer_state.json" in missing.stderr
