@@ -34,8 +34,36 @@ class ScheduleError(PairDPOError):
     """The pair schedule cannot be planned, or ranks disagree about it."""
 
 
+_REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"
+
+# How to fix each snapshot / identity failure; appended to the message so every raise site names the fix.
+SNAPSHOT_FIXES: dict[str, str] = {
+    "revision_not_pinned": f"pass the full 40-hex commit sha you downloaded ({_REDOWNLOAD})",
+    "not_a_directory": "pass the --local-dir of the download",
+    "unsafe_path": "re-download into a fresh directory and copy files in instead of linking them",
+    "metadata_malformed": f"re-download the file ({_REDOWNLOAD} PATH)",
+    "revision_mismatch": "re-download the whole snapshot at the pinned revision into a fresh directory",
+    "metadata_missing": f"remove the file, or download it from the pinned commit ({_REDOWNLOAD} PATH)",
+    "file_missing": "re-download the file, or remove its stale .metadata if the file is not part of the commit",
+    "missing_config": f"download the complete snapshot ({_REDOWNLOAD})",
+    "no_weights": f"download the complete snapshot ({_REDOWNLOAD})",
+    "missing_shard": f"download every shard of the commit ({_REDOWNLOAD})",
+    "pickle_weights": "convert the weights to safetensors, or allow pickle weights explicitly "
+    "(allow_pickle_weights=True / --allow-pickle) if you trust the repository",
+    "malformed_index": "re-download the index; if it persists the repository's index is broken",
+    "empty_weight_map": "re-download the index; if it persists the repository's index is broken",
+    "bad_suffix": "fix the repository's index so each shard has the format's suffix",
+    "hash_mismatch": "re-download the file from the pinned commit and find out what changed it",
+    "unreadable_file": "fix the file's permissions or the storage and retry",
+    "reference_changed": "resume with the same reference snapshot and revision as the original run",
+    "identity_malformed": "restore pair_dpo_reference.json from the original checkpoint",
+}
+
+
 class SnapshotIntegrityError(PairDPOError):
     """A reference snapshot that does not verify against its pinned revision.
+
+    The message ends with how to fix the failure (``SNAPSHOT_FIXES``), whatever module raised it.
 
     Args:
         reason_code: Stable identifier of the failure.
@@ -44,5 +72,7 @@ class SnapshotIntegrityError(PairDPOError):
     """
 
     def __init__(self, reason_code: str, message: str, path: str | None = None) -> None:
-        super().__init__(reason_code, message if path is None else f"{message} (path: {path})")
+        text = message if path is None else f"{message} (path: {path})"
+        fix = SNAPSHOT_FIXES.get(reason_code)
+        super().__init__(reason_code, text if fix is None or fix in text else f"{text}; fix: {fix}")
         self.path = path

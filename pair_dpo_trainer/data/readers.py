@@ -53,6 +53,8 @@ def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
     fmt = input_format(path)
     if fmt is None:
         raise InputError(f"{path}: unsupported input format; use {', '.join(sorted(FORMATS))} files.")
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory; pass the data files inside it.")
     if not os.path.isfile(path):
         raise InputError(f"{path}: no such file.")
     try:
@@ -90,7 +92,7 @@ def _load_json_values(path: str) -> list[Any]:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read it as UTF-8 JSON ({exc}).") from exc
+        raise InputError(f"{path}: cannot read it as UTF-8 JSON ({exc}); save the file as UTF-8.") from exc
     if Path(path).suffix.lower() == ".json":  # a JSON document first; JSON lines if it is not one
         try:
             document = json.loads(text)

@@ -82,7 +82,9 @@ def _unavailable_reason(backend: str, device: torch.device, dtype: torch.dtype |
     if dtype is not None and dtype not in _KERNEL_DTYPES:
         return f"{backend} needs fp16/bf16 activations, got {dtype}"
     if backend == "flash_attn":
-        return None if _flash_attn_varlen_func() is not None else "the flash_attn package does not import"
+        if _flash_attn_varlen_func() is None:
+            return "the flash_attn package does not import (install it: pip install 'pair_dpo_trainer[flash]')"
+        return None
     if _torch_varlen_attn() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
     return None
@@ -117,13 +119,14 @@ def select_attn_backend(
         return choice
     if requested not in BACKENDS:
         raise ConfigError(
-            "unknown_attn_backend", f"attention backend {requested!r} is not one of {('auto', *BACKENDS)}"
+            "unknown_attn_backend", f"attn_backend={requested!r} is not one of {('auto', *BACKENDS)}"
         )
     reason = _unavailable_reason(requested, device, dtype)
     if reason is not None:
         raise ConfigError(
             "attn_backend_unavailable",
-            f"attention backend {requested!r} is unavailable: {reason}; use 'auto' or 'sdpa_segments'",
+            f"attn_backend={requested!r} is unavailable: {reason}; or set attn_backend='auto' (the best available "
+            "kernel) or 'sdpa_segments'",
         )
     return requested
 
