@@ -1,0 +1,642 @@
+"""Throughput benchmark of ``PairDPOTrainer`` on the fixed comparison workload (side by side with TRL's DPOTrainer).
+
+The workload, the timing and the ``RESULT`` fields mirror ``../shared/bench/trl_dpo_baseline.py`` so the rows of the
+two scripts are directly comparable (see ``docs/bench_dpo_howto.md`` for the GPU commands):
+
+* random-init Llama (``--model-size 254m``: hidden 1024, 16 layers, 16/8 heads, vocab 32000), bf16 weights and
+  ``bf16=True``, no gradient checkpointing, 8 pairs per GPU per optimizer step, ``max_length`` 2048, seed 0;
+* pairs of token ids drawn with ``numpy.random.default_rng(seed)`` exactly as the TRL script draws them: prompt
+  U[32, 512]; chosen / rejected ``clip(round(lognormal(log 200, 0.9)), 16, 1024)`` each ending with EOS (id 1);
+  the same ``(warmup + steps + 2) * pairs_per_step * world`` pairs, so both scripts see the same pair pool;
+* a ``TrainerCallback`` synchronises CUDA at ``on_step_begin`` / ``on_step_end`` only; step times are differences of
+  consecutive ``on_step_end`` times (TRL's method: data loading, all micro-batches, clipping and the optimizer step);
+  the first ``--warmup`` steps are excluded; tokens/s = real tokens of the timed steps (prompt + chosen and prompt +
+  rejected, the prompt counted twice) / the sum of their step times, per GPU;
+* MFU: ``mfu8N_989`` / ``mfu8N_790`` are TRL's formula exactly (8 x ALL parameters per token, embeddings included,
+  against 989 / 790 TFLOP/s); ``mfu_noembed_989`` uses ``k x`` the non-embedding parameters (``k`` = 8 with a
+  reference: 6 for the policy's forward and backward + 2 for the reference forward; 6 with ``--reference free``;
+  non-embedding = all parameters minus the input embedding, the LM head counted), ``mfu_allparams_989`` the same
+  ``k`` with all parameters. Attention FLOPs are excluded everywhere.
+
+Each rank prints ``RESULT {json}`` (and ``CEILING {json}`` with ``--ceiling``) and appends it to
+``$OUT/results.jsonl`` when ``OUT`` is set (or to ``--results``).
+
+Examples:
+    python scripts/bench_dpo.py --tag ours --ceiling
+    python scripts/bench_dpo.py --tag ours_prof --profile          # writes $OUT/profile_summary.txt
+    python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --max-tokens-microbatch 16384
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 scripts/bench_dpo.py --tag z3
+    python scripts/bench_dpo.py --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import gc
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.data.tokenize import pair_costs
+from pair_dpo_trainer.logprobs import packed_sequence_logps
+from pair_dpo_trainer.samplers import PairBatchSampler
+from pair_dpo_trainer.trainer import PairDPOTrainer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import profile_summary  # noqa: E402  (the helper beside this script)
+
+VOCAB = 32000
+"""Token ids of the workload are drawn from [3, VOCAB) for every model size (the TRL script's vocabulary)."""
+
+EOS_ID = 1
+PEAK_TFLOPS = (989, 790)
+
+MODEL_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
+    "254m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16),
+    # "1.5b": Qwen2-like width and vocabulary on the Llama architecture; untied head like the 254M model. 5632 =
+    # 22 x 256 (tensor-core friendly, ~2.75 x hidden). 1.44e9 non-embedding parameters (head included), 1.76e9 in all.
+    "1.5b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16),
+}
+MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064}
+
+
+# --------------------------------------------------------------------------------------------------- arguments
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (``--tiny`` changes the defaults left unset to a CPU smoke test)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tag", default="pair_dpo")
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="254m")
+    p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU allowed, 2 pairs x (2 + 3) steps")
+    p.add_argument("--bs", "--per-device-train-batch-size", dest="bs", type=int, help="pairs per micro-batch (8)")
+    p.add_argument("--ga", "--gradient-accumulation-steps", dest="ga", type=int, default=1)
+    p.add_argument("--max-tokens-microbatch", type=int, help="choose --bs so a micro-batch holds ~N real tokens")
+    p.add_argument("--steps", type=int, help="timed optimizer steps (30)")
+    p.add_argument("--warmup", type=int, help="untimed first steps (5)")
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--workers", "--dataloader-num-workers", dest="workers", type=int, help="DataLoader workers (2)")
+    p.add_argument("--attn-backend", default="auto", help="PairDPOConfig.attn_backend")
+    p.add_argument(
+        "--reference",
+        choices=("online", "free", "precomputed"),
+        default="online",
+        help="online: frozen reference forward per micro-batch; free: reference_free=True; precomputed: "
+        "precompute_ref_logps=True (reference pass before the first step, not timed)",
+    )
+    p.add_argument(
+        "--ref-source",
+        choices=("explicit", "trainer"),
+        default="explicit",
+        help="explicit: pass ref_model=<in-memory copy>; trainer: let PairDPOTrainer build the reference itself",
+    )
+    p.add_argument("--logps-chunk-size", type=int, default=4096)
+    p.add_argument("--ceiling", action="store_true", help="also time the raw packed fwd+bwd (+ref fwd) loop")
+    p.add_argument("--profile", action="store_true", help="torch.profiler over the last warmup step")
+    p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trl-script", help="run this TRL baseline script at --model-size instead (see run_trl_baseline)")
+    p.add_argument("--trl-args", default="", help="arguments for --trl-script, one string")
+    p.add_argument("--summarize", metavar="JSONL", help="only print a markdown table of the rows of this file")
+    p.add_argument("--results", help="JSONL file to append to (default: $OUT/results.jsonl when OUT is set)")
+    args = p.parse_args(argv)
+    tiny = {"bs": 2, "steps": 3, "warmup": 2, "workers": 0}
+    full = {"bs": 8, "steps": 30, "warmup": 5, "workers": 2}
+    for key, value in (tiny if args.tiny else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.tiny:
+        args.model_size = "tiny"
+    if args.results is None and os.environ.get("OUT"):
+        args.results = os.path.join(os.environ["OUT"], "results.jsonl")
+    return args
+
+
+# --------------------------------------------------------------------------------------------------- workload
+def make_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """``n`` tokenised pairs, drawn exactly as ``trl_dpo_baseline.make_dataset`` draws them (same RNG call order).
+
+    Example:
+        >>> row = make_pairs(1, seed=0)[0]
+        >>> row["chosen_input_ids"][-1], 32 <= len(row["prompt_input_ids"]) <= 512
+        (1, True)
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        lp = int(rng.integers(32, 513))
+        lc, lr = (int(np.clip(round(rng.lognormal(math.log(200), 0.9)), 16, 1024)) for _ in range(2))
+        rows.append(
+            {
+                "prompt_input_ids": rng.integers(3, VOCAB, lp).tolist(),
+                "chosen_input_ids": rng.integers(3, VOCAB, lc - 1).tolist() + [EOS_ID],
+                "rejected_input_ids": rng.integers(3, VOCAB, lr - 1).tolist() + [EOS_ID],
+            }
+        )
+    return rows
+
+
+def make_tokenizer() -> Any:
+    """The TRL script's word-level tokenizer (pad 0, EOS 1, unk 2); the trainer reads only its pad id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def pairs_per_microbatch(args: argparse.Namespace) -> int:
+    """``--bs``, or with ``--max-tokens-microbatch N`` the pair count whose mean packed row is ~N tokens."""
+    if not args.max_tokens_microbatch:
+        return args.bs
+    mean_cost = float(np.mean(pair_costs(make_pairs(2048, args.seed))))
+    return max(1, round(args.max_tokens_microbatch / mean_cost))
+
+
+def model_dims(size: str) -> dict[str, int]:
+    """``LlamaConfig`` keyword arguments of a ``--model-size`` (GQA with half as many KV heads as query heads)."""
+    dims = dict(MODEL_SIZES[size])
+    dims.update(num_key_value_heads=dims["num_attention_heads"] // 2, vocab_size=MODEL_VOCAB[size])
+    return {**dims, "max_position_embeddings": 4096}
+
+
+def build_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausalLM:
+    """The random-init Llama of ``--model-size`` (bf16 on CUDA unless ``--tiny``), on ``device``.
+
+    Initialised on the CPU like the TRL script, except the 1.5B model, which is initialised on the GPU (same
+    distribution, other random stream) to save ~20 s of CPU init per run.
+    """
+    torch.manual_seed(args.seed)
+    init_device = device if device.type == "cuda" and args.model_size == "1.5b" else torch.device("cpu")
+    with init_device:
+        model = LlamaForCausalLM(LlamaConfig(**model_dims(args.model_size)))
+    if device.type == "cuda" and not args.tiny:
+        model = model.to(torch.bfloat16)
+    return model.to(device)
+
+
+def run_trl_baseline(script: str, size: str, script_args: str) -> None:
+    """Runs the TRL baseline script unchanged, except that its ``LlamaConfig(...)`` gets the ``size`` dimensions
+    (the script itself only knows the 254M and tiny models). Used for the TRL side of the 1.5B comparison."""
+    import runpy
+    import shlex
+
+    import transformers
+
+    original = transformers.LlamaConfig
+    dims = model_dims(size)
+
+    def sized_config(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **{**kwargs, **dims})
+
+    transformers.LlamaConfig = sized_config
+    sys.argv = [script, *shlex.split(script_args)]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        transformers.LlamaConfig = original
+
+
+def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool) -> PairDPOConfig:
+    """``PairDPOConfig`` with the TRL script's Trainer settings (lr 1e-6, no logging or saving in the run)."""
+    kwargs: dict[str, Any] = dict(
+        output_dir=os.path.join(tempfile.gettempdir(), f"pair_dpo_bench_{args.tag}"),
+        per_device_train_batch_size=bs,
+        gradient_accumulation_steps=args.ga,
+        max_steps=total_steps,
+        learning_rate=1e-6,
+        bf16=bf16,
+        logging_steps=10_000,
+        save_strategy="no",
+        report_to="none",
+        max_length=args.max_length,
+        dataloader_num_workers=args.workers,
+        seed=args.seed,
+        disable_tqdm=True,
+        use_cpu=not torch.cuda.is_available(),
+        attn_backend=args.attn_backend,
+        reference_free=args.reference == "free",
+        logps_chunk_size=args.logps_chunk_size,
+    )
+    fields = {f.name for f in dataclasses.fields(PairDPOConfig)}
+    if "allow_unpinned_reference" in fields and args.reference != "free":
+        kwargs["allow_unpinned_reference"] = True  # an in-memory random-init reference has no pinned snapshot
+    if args.reference == "precomputed":
+        if "precompute_ref_logps" not in fields:
+            raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
+        kwargs["precompute_ref_logps"] = True
+    return PairDPOConfig(**kwargs)
+
+
+# --------------------------------------------------------------------------------------------------- timing
+class Probe:
+    """State shared by the step callback and the trainer: step times, tokens per micro-batch, the profiler."""
+
+    def __init__(self, cuda: bool, profile_step: int | None) -> None:
+        self.cuda = cuda
+        self.begins: list[float] = []
+        self.ends: list[float] = []
+        self.tokens: list[tuple[int, int, int]] = []  # (step, real tokens, row length T) per micro-batch
+        self.profile_step = profile_step
+        self.profiler: Any = None
+        self.events: Any = None
+        self._regions: list[Any] = []
+
+    @property
+    def profiling(self) -> bool:
+        return self.profiler is not None
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def open_region(self, name: str) -> None:
+        if self.profiling:
+            region = torch.profiler.record_function(name)
+            region.__enter__()
+            self._regions.append(region)
+
+    def close_region(self) -> None:
+        if self.profiling and self._regions:
+            self._regions.pop().__exit__(None, None, None)
+
+    def start_profiler(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.profiler = profile(activities=activities, with_stack=True)
+        self.profiler.start()
+
+    def stop_profiler(self) -> None:
+        while self._regions:
+            self.close_region()
+        self.profiler.stop()
+        self.events = self.profiler.events()
+        self.profiler = None
+
+
+class StepClock(TrainerCallback):
+    """CUDA sync + wall time at optimizer-step boundaries; opens the profiler regions of the profiled step."""
+
+    def __init__(self, probe: Probe) -> None:
+        self.probe = probe
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.probe.sync()
+        self.probe.begins.append(time.perf_counter())
+        if state.global_step == self.probe.profile_step:
+            self.probe.start_profiler()
+            self.probe.open_region("bench::step")
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.probe.open_region("bench::optimizer.step")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.probe.close_region()
+        self.probe.open_region("bench::after_optimizer")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.probe.sync()
+        if self.probe.profiling:
+            self.probe.stop_profiler()  # trace processing happens here, before this step's end time is taken
+        self.probe.ends.append(time.perf_counter())
+
+
+class BenchTrainer(PairDPOTrainer):
+    """``PairDPOTrainer`` that records each micro-batch's tokens (host-side, no device access) and marks it."""
+
+    probe: Probe
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        seqs = inputs.num_sequences
+        real = int(inputs.cu_seqlens.numpy()[seqs]) if inputs.cu_seqlens.device.type == "cpu" else inputs.num_tokens
+        self.probe.tokens.append((self.state.global_step, real, inputs.num_tokens))
+        self.probe.open_region("bench::microbatch")
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.probe.close_region()
+
+
+# --------------------------------------------------------------------------------------------------- results
+def _params(model: torch.nn.Module) -> tuple[int, int]:
+    """``(all parameters, parameters minus the input embedding)``; ZeRO-3 partitioned tensors count in full."""
+    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    return total, total - getattr(embed, "ds_numel", embed.numel())
+
+
+def mfu_fields(tok_s: float, n_all: int, n_noembed: int, factor: int) -> dict[str, float]:
+    """MFU columns: TRL's exact ``8 x all params`` and ours (``factor x`` non-embedding / all params)."""
+    return {
+        "mfu8N_989": round(8 * n_all * tok_s / 989e12, 4),
+        "mfu8N_790": round(8 * n_all * tok_s / 790e12, 4),
+        "mfu_noembed_989": round(factor * n_noembed * tok_s / 989e12, 4),
+        "mfu_noembed_790": round(factor * n_noembed * tok_s / 790e12, 4),
+        "mfu_allparams_989": round(factor * n_all * tok_s / 989e12, 4),
+        "flops_per_token_factor": factor,
+    }
+
+
+def step_stats(dts: list[float]) -> dict[str, Any]:
+    """Median / mean / min / max of the timed step times."""
+    return {
+        "steps_timed": len(dts),
+        "step_median_s": round(statistics.median(dts), 4),
+        "step_mean_s": round(sum(dts) / len(dts), 4),
+        "step_min_s": round(min(dts), 4),
+        "step_max_s": round(max(dts), 4),
+    }
+
+
+def memory_fields(cuda: bool) -> dict[str, Any]:
+    """Peak allocated / reserved GiB since the last reset (None on CPU)."""
+    return {
+        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
+    }
+
+
+def timed_tokens(probe: Probe, warmup: int) -> tuple[list[float], list[tuple[int, int, int]]]:
+    """Step times of the steps after ``warmup`` (TRL's ``ends`` differences) and their micro-batch token records."""
+    ends = probe.ends
+    dts = [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends))]
+    first = len(ends) - len(dts)
+    log = [t for t in probe.tokens if first <= t[0] < len(ends)]
+    return dts, log
+
+
+def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict[str, Any]:
+    """The ``RESULT`` row: TRL's fields (same names and meaning) plus ours."""
+    args = ctx["args"]
+    dts, log = timed_tokens(probe, args.warmup)
+    steps = len(dts)
+    real, padded = sum(x[1] for x in log), sum(x[2] for x in log)
+    inner = [e - b for b, e in zip(probe.begins, probe.ends, strict=False)][len(probe.ends) - steps :]
+    tok_s = real / sum(dts)
+    n_all, n_noembed = ctx["params"]
+    factor = 8 if args.reference == "online" else 6
+    return {
+        "tag": args.tag,
+        "impl": "pair_dpo",
+        "rank": ctx["rank"],
+        "world": ctx["world"],
+        "attn": f"pair_varlen:{trainer.attn_backend}",
+        "padding_free_requested": True,
+        "padding_free_effective": True,
+        "deepspeed": bool(trainer.is_deepspeed_enabled),
+        "bs_pairs": ctx["bs"] * args.ga,
+        "micro_batch_pairs": ctx["bs"],
+        "grad_accum": args.ga,
+        "model_size": args.model_size,
+        "reference": args.reference,
+        "reference_backend": type(trainer.reference).__name__,
+        **step_stats(dts),
+        "inner_step_median_s": round(statistics.median(inner), 4),
+        "real_tokens_per_step": round(real / steps, 1),
+        "padded_tokens_per_step": round(padded / steps, 1),
+        "microbatch_tokens_mean": round(padded / len(log), 1),
+        "microbatch_tokens_max": max(x[2] for x in log),
+        "padding_frac": round(1 - real / padded, 4),
+        "real_tok_s_gpu": round(tok_s, 1),
+        "real_tok_s_gpu_from_median": round(real / steps / statistics.median(dts), 1),
+        **mfu_fields(tok_s, n_all, n_noembed, factor),
+        "n_params": n_all,
+        "n_params_no_embed": n_noembed,
+        **memory_fields(ctx["cuda"]),
+        "train_wall_s": round(ctx["train_wall_s"], 1),
+        "shapes_first": [[1, x[2]] for x in log[:3]],
+        "no_cudnn_sdp": args.no_cudnn_sdp,
+        "step_s": [round(d, 3) for d in dts],
+        "seq_len": [x[2] for x in log],
+        "warmup_step_s": [round(probe.ends[i] - probe.ends[i - 1], 3) for i in range(1, args.warmup)],
+    }
+
+
+def emit(prefix: str, row: dict[str, Any], results: str | None) -> None:
+    """Prints ``PREFIX {json}`` and appends the row to ``results`` (JSONL) when set."""
+    line = json.dumps(row)
+    print(f"{prefix} {line}", flush=True)
+    if results:
+        Path(results).parent.mkdir(parents=True, exist_ok=True)
+        with open(results, "a") as handle:
+            handle.write(line + "\n")
+
+
+SUMMARY_COLUMNS = (
+    ("tag", "tag"),
+    ("impl", "impl"),
+    ("rank", "rank"),
+    ("world", "world"),
+    ("bs_pairs", "pairs/step"),
+    ("real_tokens_per_step", "tokens/step"),
+    ("step_median_s", "median step s"),
+    ("real_tok_s_gpu", "tok/s/GPU"),
+    ("padding_frac", "padding"),
+    ("peak_alloc_gib", "peak GiB"),
+    ("mfu8N_989", "MFU 8N all"),
+    ("mfu_noembed_989", "MFU kN non-emb"),
+    ("ours_over_ceiling", "ours/ceiling"),
+)
+
+
+def summary_table(path: str) -> str:
+    """A markdown table of the rows of a results JSONL file (TRL rows have no ``impl``: shown as ``trl``)."""
+    lines = ["| " + " | ".join(title for _, title in SUMMARY_COLUMNS) + " |"]
+    lines.append("|" + "---|" * len(SUMMARY_COLUMNS))
+    for text in Path(path).read_text().splitlines():
+        row = {"impl": "trl", **json.loads(text)}
+        lines.append("| " + " | ".join(str(row.get(key, "")) for key, _ in SUMMARY_COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------- ceiling
+def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[Any]:
+    """Per optimizer step: ALL pairs this rank's schedule gives the step, as one packed row on the device."""
+    args = trainer.args
+    sampler = PairBatchSampler(
+        pair_costs(trainer.train_dataset),
+        world_size=args.world_size,
+        rank=args.process_index,
+        pairs_per_rank=args.pairs_per_rank_per_step,
+        microbatches=args.gradient_accumulation_steps,
+        seed=args.data_seed if args.data_seed is not None else args.seed,
+    )
+    micro = list(sampler)
+    ga = args.gradient_accumulation_steps
+    batches = []
+    for step in range(total_steps):
+        indices = [i for mb in micro[step * ga : (step + 1) * ga] for i in mb]
+        batches.append(trainer.data_collator([trainer.train_dataset[i] for i in indices]).to(args.device))
+    return batches
+
+
+def _free_training_state(trainer: BenchTrainer) -> None:
+    """Drops the optimizer state and cached blocks so the ceiling's peak memory is its own."""
+    trainer.optimizer = None
+    trainer.lr_scheduler = None
+    trainer.accelerator.free_memory()
+    trainer.model.zero_grad(set_to_none=True)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
+    """Raw loop, same model and same real tokens per step in ONE packed row: policy ``packed_sequence_logps``
+    forward + backward and the reference's no-grad forward; no Trainer, no optimizer, no data loading."""
+    args, probe = ctx["args"], Probe(ctx["cuda"], None)
+    total = args.warmup + args.steps
+    batches = _step_batches(trainer, total)
+    _free_training_state(trainer)
+    model, chunk = trainer.model, trainer.args.logps_chunk_size
+    model.train()
+    autocast = torch.autocast(trainer.args.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
+    dts = []
+    for batch in batches:
+        probe.sync()
+        start = time.perf_counter()
+        with autocast:
+            policy = packed_sequence_logps(model, batch, chunk_size=chunk)
+            ref = trainer.reference.sequence_logps(batch) if args.reference == "online" else torch.zeros_like(policy)
+            loss = (policy - ref).sum()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        probe.sync()
+        dts.append(time.perf_counter() - start)
+    timed, rows = dts[args.warmup :], batches[args.warmup :]
+    real = sum(int(b.num_tokens) for b in rows)
+    tok_s = real / sum(timed)
+    n_all, n_noembed = ctx["params"]
+    factor = 8 if args.reference == "online" else 6
+    return {
+        "tag": args.tag,
+        "impl": "pair_dpo_ceiling",
+        "rank": ctx["rank"],
+        "world": ctx["world"],
+        "model_size": args.model_size,
+        "reference": args.reference,
+        "attn": f"pair_varlen:{trainer.attn_backend}",
+        "bs_pairs": trainer.args.pairs_per_rank_per_step,
+        **step_stats(timed),
+        "real_tokens_per_step": round(real / len(rows), 1),
+        "real_tok_s_gpu": round(tok_s, 1),
+        **mfu_fields(tok_s, n_all, n_noembed, factor),
+        **memory_fields(ctx["cuda"]),
+        "step_s": [round(d, 3) for d in timed],
+    }
+
+
+# --------------------------------------------------------------------------------------------------- main
+def setup(args: argparse.Namespace) -> dict[str, Any]:
+    """Rank, device and CUDA switches, as the TRL script sets them."""
+    ctx = {
+        "args": args,
+        "rank": int(os.environ.get("RANK", "0")),
+        "world": int(os.environ.get("WORLD_SIZE", "1")),
+        "cuda": torch.cuda.is_available(),
+    }
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    ctx["device"] = torch.device(f"cuda:{local_rank}") if ctx["cuda"] else torch.device("cpu")
+    if ctx["cuda"]:
+        torch.cuda.set_device(local_rank)
+        if args.no_cudnn_sdp:
+            torch.backends.cuda.enable_cudnn_sdp(False)
+    if args.profile and args.warmup < 1:
+        raise SystemExit("--profile needs --warmup >= 1: the profiled step is the last warmup step")
+    return ctx
+
+
+def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
+    """Model, reference, pairs and the trainer (nothing runs yet)."""
+    args = ctx["args"]
+    ctx["bs"] = pairs_per_microbatch(args)
+    total_steps = args.warmup + args.steps
+    pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed)
+    model = build_model(args, ctx["device"])
+    ctx["params"] = _params(model)
+    ref_model = copy.deepcopy(model) if args.reference != "free" and args.ref_source == "explicit" else None
+    bf16 = ctx["cuda"] and not args.tiny
+    config = build_config(args, ctx["bs"], total_steps, bf16)
+    BenchTrainer.probe = probe
+    trainer = BenchTrainer(
+        model=model,
+        args=config,
+        train_dataset=pairs,
+        processing_class=make_tokenizer(),
+        ref_model=ref_model,
+        callbacks=[StepClock(probe)],
+    )
+    print(
+        f"bench_dpo: rank {ctx['rank']} of world_size {config.world_size} (WORLD_SIZE={ctx['world']}), "
+        f"deepspeed={trainer.is_deepspeed_enabled}, model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
+        f"{ctx['bs']} pairs x {args.ga} micro-batches per step, attn backend {trainer.attn_backend}, "
+        f"reference={args.reference}/{args.ref_source}, bf16={bf16}",
+        flush=True,
+    )
+    return trainer
+
+
+def write_profile(ctx: dict[str, Any], probe: Probe) -> None:
+    """Writes the sync/top-ops summary of the profiled step to stdout and ``$OUT/profile_summary.txt``."""
+    args = ctx["args"]
+    title = f"== profile of optimizer step {probe.profile_step} (0-based), tag {args.tag}, rank {ctx['rank']} =="
+    text = profile_summary.format_summary(probe.events, use_device=ctx["cuda"], title=title)
+    print(text, flush=True)
+    out_dir = os.environ.get("OUT") or (os.path.dirname(args.results) if args.results else None)
+    if out_dir:
+        suffix = "" if ctx["rank"] == 0 else f".rank{ctx['rank']}"
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, f"profile_summary{suffix}.txt").write_text(text)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    """Runs the benchmark; returns the RESULT row (with the ceiling row under ``"ceiling"`` when measured)."""
+    args = parse_args(argv)
+    if args.summarize:
+        print(summary_table(args.summarize), flush=True)
+        return {}
+    if args.trl_script:
+        run_trl_baseline(args.trl_script, args.model_size, args.trl_args)
+        return {}
+    ctx = setup(args)
+    probe = Probe(ctx["cuda"], args.warmup - 1 if args.profile else None)
+    trainer = build_trainer(ctx, probe)
+    if ctx["cuda"]:
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    trainer.train()
+    ctx["train_wall_s"] = time.perf_counter() - start
+    row = result_row(ctx, probe, trainer)
+    if args.profile and probe.events is not None:
+        write_profile(ctx, probe)
+    if args.ceiling and trainer.is_deepspeed_enabled:
+        print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3", flush=True)
+    elif args.ceiling:
+        ceiling = run_ceiling(ctx, trainer)
+        ceiling["ours_over_ceiling"] = round(row["real_tok_s_gpu"] / ceiling["real_tok_s_gpu"], 4)
+        row["ceiling_real_tok_s_gpu"] = ceiling["real_tok_s_gpu"]
+        row["ours_over_ceiling"] = ceiling["ours_over_ceiling"]
+        emit("CEILING", ceiling, args.results)
+        print(f"RATIO ours/ceiling = {ceiling['ours_over_ceiling']:.3f} ({args.tag})", flush=True)
+    emit("RESULT", row, args.results)
+    return row
+
+
+if __name__ == "__main__":
+    main()
