@@ -11,6 +11,7 @@ An unsupported combination raises; nothing silently falls back.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from transformers import TrainingArguments
@@ -93,6 +94,27 @@ class PairDPOConfig(TrainingArguments):
     logps_chunk_size: int = field(
         default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
     )
+    precompute_ref_logps: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs of every train/eval pair in one pass before training, cache them "
+            "(ref_logps_cache_dir) and free the reference, so training holds one model. A later run or a resume "
+            "with the same dataset, reference and truncation reuses the cache without building the reference."
+        },
+    )
+    ref_logps_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the precomputed reference log-prob cache (default: <output_dir>/ref_logps_cache)."
+        },
+    )
+    ref_offload_params: bool | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSpeed ZeRO-3 only: keep the reference engine's parameters in CPU memory (True) or on the "
+            "accelerator (False). None: the same offload_param setting as the policy."
+        },
+    )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
@@ -149,6 +171,14 @@ class PairDPOConfig(TrainingArguments):
                     "ref_model_revision, or set reference_free=False.",
                 )
             )
+        if self.reference_free and self.precompute_ref_logps:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "precompute_ref_logps=True has nothing to precompute with reference_free=True (the reference "
+                    "log-probs are 0): set one of them to False.",
+                )
+            )
         if self.ref_model_revision is not None and not is_pinned_revision(self.ref_model_revision):
             problems.append(
                 (
@@ -189,6 +219,11 @@ class PairDPOConfig(TrainingArguments):
         return LossParams(
             beta=float(self.beta), label_smoothing=float(self.label_smoothing), nll_weight=float(self.nll_weight)
         )
+
+    @property
+    def ref_logps_cache_path(self) -> str:
+        """The directory of the precomputed reference log-prob cache (``ref_logps_cache_dir`` or its default)."""
+        return self.ref_logps_cache_dir or os.path.join(self.output_dir, "ref_logps_cache")
 
     @property
     def pairs_per_rank_per_step(self) -> int:

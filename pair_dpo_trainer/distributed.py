@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+from typing import Any
 
 import torch.distributed as dist
 
@@ -24,6 +25,18 @@ def _cpu_group():
     return dist.new_group(backend="gloo", timeout=AGREEMENT_TIMEOUT)
 
 
+def all_gather_cpu(value: Any) -> list[Any]:
+    """Every rank's ``value`` (any picklable object, rank order) over the CPU group; ``[value]`` in one process.
+
+    A collective: every rank must call it, in the same order as its other collectives.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value, group=_cpu_group())
+    return values
+
+
 def assert_ranks_agree(what: str, value: str) -> None:
     """Raises ``ScheduleError('ranks_disagree')`` on every rank unless all ranks pass the same ``value``.
 
@@ -33,10 +46,7 @@ def assert_ranks_agree(what: str, value: str) -> None:
 
     A single process returns at once.
     """
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return
-    values: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(values, value, group=_cpu_group())
+    values = all_gather_cpu(value)
     if len(set(values)) != 1:
         listing = ", ".join(f"rank {rank}: {v}" for rank, v in enumerate(values))
         raise ScheduleError(

@@ -8,6 +8,10 @@ Loss scale: the Trainer does not divide by GA (``loss_is_scaled_for_ga = True``)
 gradients over the ``W`` ranks, so each micro-batch returns ``W * sum(losses) / N``; the gradient is then exactly the
 gradient of the mean loss over the step's ``N`` pairs, whatever the (DP, GA) layout. ``N`` comes from the
 deterministic schedule on the host: no collective, no GPU sync.
+
+The reference (built at once, or lazily under DeepSpeed / ``precompute_ref_logps``; identified; checked on resume
+before any checkpoint state is restored; precomputed and freed) is owned by
+:class:`~pair_dpo_trainer.reference.manager.ReferenceManager`; the trainer only calls it.
 """
 
 from __future__ import annotations
@@ -31,8 +35,7 @@ from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
-from pair_dpo_trainer.reference.build import build_reference
-from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
+from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
@@ -90,12 +93,15 @@ class PairDPOTrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
-        self.reference = build_reference(args, model, source=self.reference_source, ref_model=ref_model)
-        self.reference_identity = None
-        if self.reference_source is not None:
-            self.reference_identity = compute_identity(
-                self.reference_source, self.reference, vocab_size=model.config.vocab_size, device=args.device
-            )
+        ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        self.reference_manager = ReferenceManager(  # builds the reference now unless DeepSpeed / precompute (lazy)
+            args,
+            model,
+            source=self.reference_source,
+            ref_model=ref_model,
+            deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
+            mixed_precision=str(self.accelerator.mixed_precision),
+        )
         self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
@@ -113,16 +119,43 @@ class PairDPOTrainer(Trainer):
             max_pair_tokens=args.max_tokens_per_microbatch,
         )
 
-    # ------------------------------------------------------------------ reference identity
+    # ------------------------------------------------------------------ reference
+    @property
+    def reference(self) -> Any:
+        """The reference backend (``sequence_logps``), see :mod:`pair_dpo_trainer.reference.manager`."""
+        return self.reference_manager.backend
+
+    @property
+    def reference_identity(self) -> Any:
+        """The reference identity written beside every checkpoint (None when reference-free)."""
+        return self.reference_manager.identity
+
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
-        """``Trainer.train``; a resume first proves the checkpoint was trained against this same reference."""
+        """``Trainer.train``, after the reference is ready: built (DeepSpeed: its own engine) or precomputed, and on
+        resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        if resume_from_checkpoint and self.reference_identity is not None:
-            check_resume_identity(resume_from_checkpoint, self.reference_identity)
+        self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+
+    def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """``Trainer.evaluate`` after the reference is ready (a lazy or precomputed reference is prepared first)."""
+        datasets = self._reference_datasets()
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            datasets = {"eval": eval_dataset}
+        self.reference_manager.prepare(datasets)
+        return super().evaluate(eval_dataset, *args, **kwargs)
+
+    def _reference_datasets(self) -> dict[str, Any]:
+        """The datasets a precomputed reference covers: the train set and every eval set."""
+        datasets = {"train": self.train_dataset}
+        if isinstance(self.eval_dataset, dict):
+            datasets.update({f"eval_{name}": dataset for name, dataset in self.eval_dataset.items()})
+        else:
+            datasets["eval"] = self.eval_dataset
+        return datasets
 
     def _save_checkpoint(self, model, trial) -> None:
         """Saves the checkpoint, then writes the reference identity beside it (atomically)."""
@@ -145,7 +178,7 @@ class PairDPOTrainer(Trainer):
         )
         assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
         self._train_sampler = sampler
-        return self._loader(self.train_dataset, sampler, PairDataLoader)
+        return self._loader(self.reference_manager.attach(self.train_dataset), sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
@@ -159,7 +192,7 @@ class PairDPOTrainer(Trainer):
             pairs_per_microbatch=self.args.per_device_eval_batch_size,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
-        return self._loader(WeightedPairs(dataset), sampler, DataLoader)
+        return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, DataLoader)
 
     def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader]) -> DataLoader:
         workers = self.args.dataloader_num_workers
@@ -195,7 +228,7 @@ class PairDPOTrainer(Trainer):
     def floating_point_ops(self, inputs: PackedPairBatch) -> int:
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T)."""
         params = self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
-        ref_flops = 0 if self.args.reference_free else 2
+        ref_flops = 0 if self.args.reference_free or self.args.precompute_ref_logps else 2
         return (6 + ref_flops) * params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss

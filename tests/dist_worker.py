@@ -3,6 +3,8 @@
 Phases (each writes its result under OUT_DIR for the test process to compare):
   dp2_ga1 / dp2_ga2: one 5-step training run each (same global batch of 8 pairs as the test's DP=1, GA=2 run);
       rank 0 saves the gradient of the first optimizer step and the loss curve.
+  dp2_ga2_pre: dp2_ga2 with ``precompute_ref_logps`` (each rank computes its share, gathered over gloo): the same
+      loss curve as dp2_ga2 with the online reference.
   disagree: rank 1 loads one pair fewer; both ranks must raise ScheduleError('ranks_disagree'), not hang.
 """
 
@@ -57,10 +59,11 @@ def build_trainer(out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: 
     return PairDPOTrainer(model=tiny_llama(0), args=config, train_dataset=pairs, processing_class=tiny_tokenizer())
 
 
-def run_layout(out_dir: Path, name: str, *, world_size: int, ga: int) -> dict:
+def run_layout(out_dir: Path, name: str, *, world_size: int, ga: int, **kwargs) -> dict:
     """Trains 5 steps and returns the first-step gradients and the loss curve."""
     recorder = FirstStepGradients()
-    trainer = build_trainer(out_dir / name, synthetic_pairs(NUM_PAIRS), world_size=world_size, ga=ga, max_steps=5)
+    pairs = synthetic_pairs(NUM_PAIRS)
+    trainer = build_trainer(out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=5, **kwargs)
     trainer.add_callback(recorder)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
@@ -81,12 +84,15 @@ def run_disagreement(out_dir: Path, rank: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    for name, ga in (("dp2_ga1", 1), ("dp2_ga2", 2)):
-        result = run_layout(out_dir, name, world_size=2, ga=ga)
+    layouts = (("dp2_ga1", 1, {}), ("dp2_ga2", 2, {}), ("dp2_ga2_pre", 2, {"precompute_ref_logps": True}))
+    for name, ga, options in layouts:
+        result = run_layout(out_dir, name, world_size=2, ga=ga, **options)
         if dist.get_rank() == 0:
             torch.save(result, out_dir / f"{name}.pt")
     rank = dist.get_rank()
     (out_dir / f"disagree_rank{rank}.json").write_text(json.dumps(run_disagreement(out_dir, rank)))
+    dist.barrier()
+    dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
 
 
 if __name__ == "__main__":

@@ -65,6 +65,12 @@ def test_five_step_loss_curves_and_parameters_match(two_rank_results, dp1_ga2, l
         torch.testing.assert_close(other["params"][name], param, atol=1e-5, rtol=0, msg=name)
 
 
+def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_results):
+    online = torch.load(two_rank_results / "dp2_ga2.pt")
+    precomputed = torch.load(two_rank_results / "dp2_ga2_pre.pt")
+    assert precomputed["losses"] == pytest.approx(online["losses"], abs=1e-6)
+
+
 def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):
     for rank in (0, 1):
         result = json.loads((two_rank_results / f"disagree_rank{rank}.json").read_text())

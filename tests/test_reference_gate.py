@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -16,7 +15,7 @@ from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, Snapsho
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path, download_metadata_files
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
 
-PAIRS = [json.loads(line) for line in io.open(bundled_pairs_path(), encoding="utf-8").readlines()[:48]]
+PAIRS = [json.loads(line) for line in open(bundled_pairs_path(), encoding="utf-8").readlines()[:48]]
 
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
-from pair_dpo_trainer.errors import PreferenceRowError
+from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 
 IGNORE_INDEX = -100
 """Label value of positions that are not scored."""
@@ -85,6 +85,9 @@ class PackedPairBatch(_TensorDataclass):
         pair_weights: ``[n]`` float32 metric weight per pair when the features carry ``pair_weight`` (evaluation
             fills short ranks with weight-0 duplicates, see :mod:`pair_dpo_trainer.samplers.evaluation`), else
             None (every pair weighs 1).
+        ref_logps: ``[2n]`` float32 precomputed reference log-probs in sequence order (chosen, rejected, ...) when
+            the features carry ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precompute_ref_logps``), else None.
+            Kept float32 on the way to the device (the trainer moves the batch with ``.to(device)`` only).
     """
 
     input_ids: torch.Tensor
@@ -99,6 +102,7 @@ class PackedPairBatch(_TensorDataclass):
     num_pairs: int
     completion_positions: torch.Tensor
     pair_weights: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -145,6 +149,29 @@ def _pair_weights(features: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
     if not any("pair_weight" in feature for feature in features):
         return None
     return torch.tensor([float(feature.get("pair_weight", 1.0)) for feature in features], dtype=torch.float32)
+
+
+REF_LOGPS_KEYS = ("ref_chosen_logps", "ref_rejected_logps")
+"""Feature keys of precomputed reference log-probs (see :mod:`pair_dpo_trainer.reference.precompute`)."""
+
+
+def _ref_logps(features: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
+    """``[2n]`` float32 precomputed reference log-probs (chosen, rejected per pair), or None when no feature has them.
+
+    Raises:
+        ConfigError: ``ref_logps_missing`` when only some features of the micro-batch carry them.
+    """
+    present = [all(key in feature for key in REF_LOGPS_KEYS) for feature in features]
+    if not any(present):
+        return None
+    if not all(present):
+        raise ConfigError(
+            "ref_logps_missing",
+            f"feature {present.index(False)} of the micro-batch has no precomputed reference log-probs while others "
+            f"have them ({list(REF_LOGPS_KEYS)}): every pair of a run with precompute_ref_logps needs both.",
+        )
+    values = [float(feature[key]) for feature in features for key in REF_LOGPS_KEYS]
+    return torch.tensor(values, dtype=torch.float32)
 
 
 def sequence_labels(ids: Sequence[int], prompt_length: int) -> list[int]:
@@ -237,6 +264,7 @@ class PackedPairCollator:
             num_pairs=n,
             completion_positions=mask[0].nonzero().flatten(),
             pair_weights=_pair_weights(features),
+            ref_logps=_ref_logps(features),
         )
 
     def _pad_length(self, length: int) -> int:

@@ -26,7 +26,7 @@ import json
 import os
 import platform
 import tempfile
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -99,7 +99,7 @@ class ReferenceIdentity:
         return identity
 
 
-def parameter_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+def parameter_digest(named_tensors: Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor]]]) -> str:
     """SHA-256 over parameters in sorted-name order: name, dtype, shape and raw bytes.
 
     Each parameter contributes the UTF-8 line ``json.dumps([name, dtype, shape, nbytes]) + "\\n"`` (dtype
@@ -108,7 +108,10 @@ def parameter_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     by the largest parameter.
 
     Args:
-        named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``.
+        named_tensors: ``(name, tensor)`` pairs, e.g. ``model.named_parameters()``. A value may also be a
+            zero-argument callable returning the tensor: it is called once, in sorted-name order, when that
+            parameter is hashed (a ZeRO-3 reference gathers one partitioned parameter at a time this way, the
+            same order on every rank).
 
     Returns:
         Lowercase hex SHA-256.
@@ -118,14 +121,15 @@ def parameter_digest(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
     """
     import torch
 
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor | Callable[[], torch.Tensor]] = {}
     for name, tensor in named_tensors:
         if name in tensors:
             raise ValueError(f"duplicate parameter name {name!r}")
         tensors[name] = tensor
     hasher = hashlib.sha256()
     for name in sorted(tensors):
-        t = tensors[name].detach()
+        value = tensors.pop(name)
+        t = (value if isinstance(value, torch.Tensor) else value()).detach()
         if t.device.type == "meta":
             raise ValueError(f"parameter {name!r} is on the meta device (gather it before hashing)")
         t = t.to("cpu").resolve_conj().resolve_neg().contiguous()
@@ -195,7 +199,7 @@ def build_identity(
     snapshot: VerifiedSnapshot | None = None,
     revision: str | None = None,
     repo_id: str | None = None,
-    named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
+    named_parameters: Iterable[tuple[str, torch.Tensor | Callable[[], torch.Tensor]]] | None = None,
     probe_logps: torch.Tensor | None = None,
     device: str | torch.device | None = None,
 ) -> ReferenceIdentity:

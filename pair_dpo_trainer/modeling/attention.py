@@ -118,9 +118,7 @@ def select_attn_backend(
             logger.info("pair_varlen attention: auto-selected backend %r on %s", choice, device.type)
         return choice
     if requested not in BACKENDS:
-        raise ConfigError(
-            "unknown_attn_backend", f"attn_backend={requested!r} is not one of {('auto', *BACKENDS)}"
-        )
+        raise ConfigError("unknown_attn_backend", f"attn_backend={requested!r} is not one of {('auto', *BACKENDS)}")
     reason = _unavailable_reason(requested, device, dtype)
     if reason is not None:
         raise ConfigError(

@@ -1,8 +1,9 @@
 """The frozen reference of standard DPO, or none at all (``reference_free``).
 
 A reference maps a packed micro-batch to per-sequence log-probs ``[2n]`` float32, without gradients. This module
-holds the seam where later backends plug in (a ZeRO-3 inference engine, a precomputed cache): each is a class with
-``sequence_logps(batch)``.
+holds the protocol and the in-process backends; the others are classes with the same ``sequence_logps(batch)``:
+:class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (an inference-only DeepSpeed engine) and
+:class:`~pair_dpo_trainer.reference.precompute.PrecomputedReference` (log-probs carried by the batch).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 
 
@@ -53,6 +55,10 @@ class FrozenReference:
         """The parameters covered by the reference identity's parameter digest."""
         return self.model.named_parameters()
 
+    def release(self) -> None:
+        """Drops the model (after a precompute pass), so its memory can be reused."""
+        self.model = None
+
 
 def load_reference_model(policy: PreTrainedModel, directory: str | None) -> PreTrainedModel:
     """Loads the reference weights from ``directory`` (verified beforehand when pinned), else copies the policy.
@@ -64,7 +70,16 @@ def load_reference_model(policy: PreTrainedModel, directory: str | None) -> PreT
 
     Returns:
         The reference model on the CPU (the caller moves it).
+
+    Raises:
+        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned in-memory policy without a directory.
     """
     if directory is None:
+        if any(hasattr(p, "ds_id") for p in policy.parameters()):
+            raise ConfigError(
+                "unsupported_combination",
+                "the policy is already ZeRO-3 partitioned (loaded under deepspeed.zero.Init) and no reference "
+                "directory is known, so it cannot be copied: pass the model as a path, or set ref_model_name_or_path.",
+            )
         return copy.deepcopy(policy)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=policy.dtype)

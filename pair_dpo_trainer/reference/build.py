@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -12,12 +13,19 @@ from pair_dpo_trainer.reference.source import ReferenceSource
 
 
 def build_reference(
-    args: Any, policy: PreTrainedModel, *, source: ReferenceSource | None, ref_model: PreTrainedModel | None
+    args: Any,
+    policy: PreTrainedModel,
+    *,
+    source: ReferenceSource | None,
+    ref_model: PreTrainedModel | None,
+    deepspeed_config: Mapping[str, Any] | None = None,
 ) -> Reference:
     """Returns the reference the trainer runs for ``args`` (a ``PairDPOConfig``).
 
-    Modes: ``reference_free`` -> :class:`NoReference`; otherwise a :class:`FrozenReference` of ``ref_model`` when
-    given, else loaded from ``source.directory`` (verified when pinned), else a copy of the in-memory policy.
+    Modes: ``reference_free`` -> :class:`NoReference`; otherwise the reference model is ``ref_model`` when given,
+    else loaded from ``source.directory`` (verified when pinned), else a copy of the in-memory policy; it runs as a
+    :class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (its own inference-only engine) when DeepSpeed is
+    enabled, else as a :class:`FrozenReference` on ``args.device``.
 
     Args:
         args: The run's ``PairDPOConfig``.
@@ -25,6 +33,7 @@ def build_reference(
         source: Where the reference comes from (:func:`~pair_dpo_trainer.reference.source.resolve_reference_source`);
             None for reference-free runs.
         ref_model: An explicit reference model, if the user passed one.
+        deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled.
     """
     if args.reference_free:
         if ref_model is not None:
@@ -34,7 +43,41 @@ def build_reference(
 
     if ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy):
         return AdapterDisabledReference(policy, chunk_size=args.logps_chunk_size)  # the base model, no second copy
+    if deepspeed_config is not None:
+        return _deepspeed_reference(args, policy, source=source, ref_model=ref_model, deepspeed_config=deepspeed_config)
     if ref_model is None:
         ref_model = load_reference_model(policy, source.directory if source is not None else None)
     enable_pair_varlen(ref_model, args.attn_backend)
     return FrozenReference(ref_model.to(args.device), chunk_size=args.logps_chunk_size)
+
+
+def _deepspeed_reference(
+    args: Any,
+    policy: PreTrainedModel,
+    *,
+    source: ReferenceSource | None,
+    ref_model: PreTrainedModel | None,
+    deepspeed_config: Mapping[str, Any],
+) -> Reference:
+    """The reference as its own inference-only DeepSpeed engine, loaded under its own ``zero.Init`` configuration.
+
+    The hidden-size dependent tuning values come from the reference's config (the policy's for a reference loaded
+    from a directory, which shares the policy's architecture).
+    """
+    from pair_dpo_trainer.reference.engine import (
+        build_deepspeed_reference,
+        hidden_size_of,
+        reference_ds_config,
+        reference_zero_init,
+    )
+
+    config = reference_ds_config(
+        deepspeed_config,
+        hidden_size=hidden_size_of((ref_model if ref_model is not None else policy).config),
+        offload_params=args.ref_offload_params,
+    )
+    if ref_model is None:
+        with reference_zero_init(config):
+            ref_model = load_reference_model(policy, source.directory if source is not None else None)
+    enable_pair_varlen(ref_model, args.attn_backend)
+    return build_deepspeed_reference(ref_model, config=config, chunk_size=args.logps_chunk_size)

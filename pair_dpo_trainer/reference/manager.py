@@ -1,0 +1,253 @@
+"""When the reference is built, identified, checked on resume, precomputed and freed: the trainer's one entry point.
+
+Timeline of a run (:class:`ReferenceManager`):
+
+- ``__init__`` (in ``PairDPOTrainer.__init__``): without DeepSpeed and without ``precompute_ref_logps`` the reference
+  is built and identified at once (as before). Otherwise nothing is built yet: a DeepSpeed reference engine is built
+  lazily, and a precomputed run may never build it (cache hit).
+- :meth:`ReferenceManager.prepare` (``PairDPOTrainer.train`` before ``Trainer.train``, and ``evaluate``): builds the
+  lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,
+  and for ``precompute_ref_logps`` runs the reference pass (or reads the cache) and frees the reference.
+
+Why there and not in a Trainer hook after ``deepspeed_init``: ``PairDPOTrainer.train`` runs before the Trainer
+restores anything from a checkpoint on every path (without DeepSpeed ``Trainer.train`` loads the policy weights
+before ``_inner_training_loop``; with DeepSpeed ``_prepare_for_training`` loads the engine state right after
+``accelerator.prepare``), so the identity is checked before any state is restored and before any step. The only
+DeepSpeed values that ``deepspeed_init`` resolves late are the three hidden-size ZeRO-3 tuning values, which
+:func:`~pair_dpo_trainer.reference.engine.reference_ds_config` resolves itself; and a precompute pass run there has
+the accelerator to itself (no policy engine, no optimizer state yet).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest
+from pair_dpo_trainer.reference.build import build_reference
+from pair_dpo_trainer.reference.engine import gathered_named_parameters
+from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
+from pair_dpo_trainer.reference.precompute import (
+    CacheEntry,
+    PrecomputedReference,
+    WithRefLogps,
+    cache_key,
+    cache_path,
+    compute_ref_logps,
+    dataset_fingerprint,
+    read_cache,
+    write_cache,
+)
+from pair_dpo_trainer.reference.source import ReferenceSource
+
+logger = logging.getLogger(__name__)
+
+
+class ReferenceManager:
+    """Owns the run's reference backend and identity.
+
+    Args:
+        args: The run's ``PairDPOConfig``.
+        policy: The policy before any training step (unwrapped).
+        source: The reference's provenance (None when reference-free).
+        ref_model: An explicit reference model, if the user passed one.
+        deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled, else None.
+        mixed_precision: The accelerator's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``), for the cache key.
+
+    Attributes:
+        builds: How many times a reference model was built (0 after a precompute cache hit).
+
+    Raises:
+        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without DeepSpeed.
+    """
+
+    def __init__(
+        self,
+        args: Any,
+        policy: torch.nn.Module,
+        *,
+        source: ReferenceSource | None,
+        ref_model: torch.nn.Module | None,
+        deepspeed_config: Mapping[str, Any] | None,
+        mixed_precision: str = "no",
+    ) -> None:
+        if args.ref_offload_params and deepspeed_config is None:
+            raise ConfigError(
+                "unsupported_combination",
+                "ref_offload_params=True offloads the parameters of a DeepSpeed ZeRO-3 reference engine, but this run "
+                "does not use DeepSpeed: launch with a ZeRO-3 config, or leave ref_offload_params unset.",
+            )
+        self.args = args
+        self.source = source
+        self.builds = 0
+        self._policy = policy
+        self._ref_model = ref_model
+        self._deepspeed_config = deepspeed_config
+        self._precision = _precision(policy, deepspeed_config, mixed_precision)
+        self._checked: str | None = None
+        self._backend: Any = None
+        self._identity: ReferenceIdentity | None = None
+        self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
+        self._key_reference: dict[str, Any] | None = None
+        lazy = deepspeed_config is not None or args.precompute_ref_logps
+        if args.reference_free or not lazy:
+            self._build()
+        if args.precompute_ref_logps:
+            self._key_reference = self._reference_key()  # the starting weights: before any step or restore
+
+    @property
+    def backend(self) -> Any:
+        """The reference backend (``sequence_logps``); builds a lazy reference now if needed (a collective).
+
+        Raises:
+            ConfigError: ``ref_logps_missing`` for a precomputed run before ``train()`` / ``evaluate()``.
+        """
+        if self._backend is None and not self.args.precompute_ref_logps:
+            self._build()
+        if self._backend is None:
+            raise ConfigError(
+                "ref_logps_missing",
+                "precompute_ref_logps=True: the reference log-probs are computed by train() or evaluate(); call one "
+                "of them before running the reference.",
+            )
+        return self._backend
+
+    @property
+    def identity(self) -> ReferenceIdentity | None:
+        """The reference identity (None for reference-free runs, or before a lazy reference is prepared)."""
+        return self._identity
+
+    def prepare(self, datasets: Mapping[str, Any], resume_from_checkpoint: str | None = None) -> None:
+        """Builds or precomputes the reference as configured, then checks the checkpoint's identity on resume.
+
+        Collective under DeepSpeed and in multi-process runs: every rank calls it at the same point.
+
+        Args:
+            datasets: Name -> tokenised pairs whose reference log-probs a precomputed run needs (train and eval).
+            resume_from_checkpoint: The checkpoint directory of a resume, else None.
+
+        Raises:
+            SnapshotIntegrityError: ``identity_missing`` / ``reference_changed`` (see ``check_resume_identity``),
+                before any pass over the data.
+        """
+        if self.args.reference_free:
+            return
+        if self.args.precompute_ref_logps:
+            self._precompute(datasets, resume_from_checkpoint)
+        elif self._backend is None:
+            self._build()
+        if resume_from_checkpoint and self._checked != resume_from_checkpoint:
+            check_resume_identity(resume_from_checkpoint, self._identity)
+            self._checked = resume_from_checkpoint
+
+    def attach(self, dataset: Any) -> Any:
+        """``dataset`` with its precomputed log-probs as features (unchanged when nothing was precomputed)."""
+        if not self.args.precompute_ref_logps or dataset is None:
+            return dataset
+        entry = self._logps.get(id(dataset))
+        return dataset if entry is None else WithRefLogps(dataset, entry[1])
+
+    # ------------------------------------------------------------------ building
+    def _build(self) -> None:
+        """Builds the reference backend and, for a non-free reference, its identity (collective under ZeRO-3)."""
+        self._backend = build_reference(
+            self.args,
+            self._policy,
+            source=self.source,
+            ref_model=self._ref_model,
+            deepspeed_config=self._deepspeed_config,
+        )
+        if self.source is None:
+            return
+        self.builds += 1
+        self._identity = compute_identity(
+            self.source, self._backend, vocab_size=self._policy.config.vocab_size, device=self.args.device
+        )
+
+    def _release(self) -> None:
+        """Frees the built reference after a precompute pass; from now on batches carry the log-probs."""
+        release = getattr(self._backend, "release", None)
+        if callable(release):
+            release()
+        self._backend = PrecomputedReference()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    # ------------------------------------------------------------------ precompute
+    def _reference_key(self) -> dict[str, Any]:
+        """The reference part of the cache key: the verified manifest, else a digest of the starting weights.
+
+        Unpinned, the starting weights are the explicit ``ref_model``, else the policy itself when the reference is
+        its copy or its own directory; an unpinned reference from another directory is loaded once to digest it.
+        """
+        if self.source is not None and self.source.pinned:
+            return {"pinned": True, "digest": self.source.snapshot.manifest_digest}
+        model = self._ref_model
+        if model is None and self.source is not None and self.source.directory not in (None, self._policy_dir()):
+            from pair_dpo_trainer.reference.base import load_reference_model
+
+            model = load_reference_model(self._policy, self.source.directory)
+        digest = parameter_digest(gathered_named_parameters(model if model is not None else self._policy))
+        return {"pinned": False, "digest": digest}
+
+    def _policy_dir(self) -> str | None:
+        return getattr(self._policy, "name_or_path", None) or None
+
+    def _precompute(self, datasets: Mapping[str, Any], resume_from_checkpoint: str | None) -> None:
+        """Fills ``self._logps`` for every dataset from the cache or one reference pass; frees a built reference."""
+        pending = {name: ds for name, ds in datasets.items() if ds is not None and id(ds) not in self._logps}
+        if not pending:
+            return
+        from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
+
+        keys = {name: self._key(ds) for name, ds in pending.items()}
+        assert_ranks_agree("reference log-prob cache keys", repr([cache_path("", key).name for key in keys.values()]))
+        path = {name: cache_path(self.args.ref_logps_cache_path, key) for name, key in keys.items()}
+        entries = {name: read_cache(path[name], keys[name], len(ds)) for name, ds in pending.items()}
+        rank_flags = all_gather_cpu([entries[name] is not None for name in pending])  # a hit only if on every rank
+        hits = dict(zip(pending, (all(flags) for flags in zip(*rank_flags, strict=True)), strict=True))
+        for name, ds in pending.items():
+            if hits[name]:
+                logger.info("reference log-probs of %s: cache hit %s", name, path[name])
+                self._remember(ds, entries[name])
+                continue
+            if self._backend is None or isinstance(self._backend, PrecomputedReference):
+                self._build()
+                if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
+                    check_resume_identity(resume_from_checkpoint, self._identity)
+                    self._checked = resume_from_checkpoint
+            logps = compute_ref_logps(self._backend, ds, args=self.args, desc=name)
+            entry = CacheEntry(logps=logps, identity=self._identity.to_dict())
+            if self.args.should_save:
+                write_cache(path[name], keys[name], entry)
+            self._remember(ds, entry)
+        if not isinstance(self._backend, PrecomputedReference):
+            self._release()
+
+    def _key(self, dataset: Any) -> dict[str, Any]:
+        return cache_key(
+            fingerprint=dataset_fingerprint(dataset),
+            reference=self._key_reference,
+            args=self.args,
+            precision=self._precision,
+        )
+
+    def _remember(self, dataset: Any, entry: CacheEntry) -> None:
+        self._logps[id(dataset)] = (dataset, entry.logps)
+        if self._identity is None:
+            self._identity = ReferenceIdentity.from_dict(entry.identity)
+
+
+def _precision(policy: torch.nn.Module, deepspeed_config: Mapping[str, Any] | None, mixed_precision: str) -> str:
+    """The reference's compute precision as recorded in the cache key, e.g. ``"deepspeed:bfloat16"``."""
+    if deepspeed_config is not None:
+
+        def enabled(section: str) -> bool:
+            return str((deepspeed_config.get(section) or {}).get("enabled", False)).lower() == "true"
+
+        return "deepspeed:" + ("bfloat16" if enabled("bf16") else "float16" if enabled("fp16") else "float32")
+    return f"{str(policy.dtype).removeprefix('torch.')}|{mixed_precision}"

@@ -1,0 +1,253 @@
+"""Precomputed reference log-probs (``precompute_ref_logps=True``): one reference pass, a cache, then one model.
+
+Before training, the verified reference runs once over the train (and eval) pairs, each rank its share of an
+evaluation-style schedule (:func:`~pair_dpo_trainer.samplers.evaluation.plan_eval`: every pair once, the same number
+of micro-batches on every rank, weight-0 fillers where a rank runs short, so ZeRO-3 forwards never wait for a rank
+that has stopped). The per-pair log-probs are gathered over the CPU group, written to a cache file, and the features
+then carry ``ref_chosen_logps`` / ``ref_rejected_logps``; the collator packs them into ``PackedPairBatch.ref_logps``
+and :class:`PrecomputedReference` returns them, so the reference model is freed before the first step.
+
+Cache: one file per dataset, ``<cache_dir>/ref_logps-<key digest>.pt`` (``torch.save`` of plain tensors and
+strings, loaded with ``weights_only=True``), written by the main process to a temporary file in the same directory
+and renamed into place. The key (:func:`cache_key`) is everything the values depend on: the dataset fingerprint
+(SHA-256 of the three token-id columns), the reference (the verified manifest digest, or the parameter digest of
+the starting weights when unpinned), ``max_length`` / ``max_prompt_length``, the compute precision and the package
+version. The file also holds the reference identity, so a run that reuses the cache (a later run, or a resume)
+can write the identity beside its checkpoints and check it on resume without building the reference at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import logging
+import os
+import sys
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_costs
+from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+CACHE_PREFIX = "ref_logps-"
+
+
+class PrecomputedReference:
+    """The reference after a precompute pass: the batch's own ``ref_logps`` (no model)."""
+
+    def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
+        """``batch.ref_logps`` ``[2n]`` float32.
+
+        Raises:
+            ConfigError: ``ref_logps_missing`` when the batch carries no precomputed log-probs (a dataset that was
+                not given to the trainer as ``train_dataset`` / ``eval_dataset``).
+        """
+        if batch.ref_logps is None:
+            raise ConfigError(
+                "ref_logps_missing",
+                "this batch has no precomputed reference log-probs (precompute_ref_logps=True covers only the "
+                "trainer's train_dataset and eval_dataset): pass the dataset as eval_dataset when building the "
+                "trainer, or set precompute_ref_logps=False.",
+            )
+        return batch.ref_logps
+
+
+class WithRefLogps:
+    """Dataset view: row ``i`` of ``dataset`` plus ``ref_chosen_logps`` / ``ref_rejected_logps`` (python floats).
+
+    Args:
+        dataset: Tokenised pairs (``datasets.Dataset`` or a sequence of mappings).
+        logps: ``[N, 2]`` float32 (chosen, rejected) per pair, in dataset order.
+    """
+
+    def __init__(self, dataset: Any, logps: torch.Tensor) -> None:
+        if len(dataset) != logps.shape[0]:
+            raise ValueError(f"{logps.shape[0]} precomputed log-prob pairs for a dataset of {len(dataset)} pairs")
+        self.dataset = dataset
+        self.logps = logps.tolist()
+
+    def __getitem__(self, index: int) -> dict:
+        chosen, rejected = self.logps[int(index)]
+        return {**self.dataset[int(index)], REF_LOGPS_KEYS[0]: chosen, REF_LOGPS_KEYS[1]: rejected}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+def _token_columns(dataset: Any) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """``(column, lengths int64, flat values int64)`` of each token-id column."""
+    datasets = sys.modules.get("datasets")
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        import pyarrow.compute as pc
+
+        table = dataset.select_columns(list(FEATURE_COLUMNS)).with_format("arrow")[:]
+        for column in FEATURE_COLUMNS:
+            lengths = pc.list_value_length(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
+            values = pc.list_flatten(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
+            yield column, lengths, values
+        return
+    for column in FEATURE_COLUMNS:
+        rows = [row[column] for row in dataset]
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+        yield column, lengths, values
+
+
+def dataset_fingerprint(dataset: Any) -> str:
+    """SHA-256 of the token-id columns (per column: name, per-row lengths, flat ids as little-endian int64).
+
+    Example:
+        Two datasets with the same pairs in the same order have the same fingerprint, whatever their container
+        (``datasets.Dataset`` or a list of dicts) or extra columns.
+    """
+    hasher = hashlib.sha256()
+    for column, lengths, values in _token_columns(dataset):
+        hasher.update(f"{column}:{lengths.size}:{values.size}\n".encode())
+        hasher.update(lengths.astype("<i8").tobytes())
+        hasher.update(values.astype("<i8").tobytes())
+    return hasher.hexdigest()
+
+
+def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, precision: str) -> dict[str, Any]:
+    """Everything the precomputed values depend on (see the module docstring).
+
+    Args:
+        fingerprint: :func:`dataset_fingerprint` of the dataset.
+        reference: ``{"pinned": bool, "digest": manifest digest (pinned) or parameter digest (unpinned)}``.
+        args: The run's ``PairDPOConfig``.
+        precision: The reference's compute precision (e.g. ``"float32|no"``).
+    """
+    from pair_dpo_trainer import __version__
+
+    return {
+        "format": CACHE_FORMAT,
+        "dataset": fingerprint,
+        "reference": dict(reference),
+        "max_length": int(args.max_length),
+        "max_prompt_length": int(args.max_prompt_length),
+        "precision": precision,
+        "pair_dpo_trainer": __version__,
+    }
+
+
+def cache_path(cache_dir: str | os.PathLike[str], key: Mapping[str, Any]) -> Path:
+    """``<cache_dir>/ref_logps-<first 32 hex of sha256(key JSON)>.pt``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
+    return Path(cache_dir) / f"{CACHE_PREFIX}{digest[:32]}.pt"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One dataset's precomputed log-probs.
+
+    Attributes:
+        logps: ``[N, 2]`` float32 (chosen, rejected) per pair in dataset order.
+        identity: The reference identity record (``ReferenceIdentity.to_dict()``) of the reference that computed it.
+    """
+
+    logps: torch.Tensor
+    identity: dict[str, Any]
+
+
+def read_cache(path: Path, key: Mapping[str, Any], num_pairs: int) -> CacheEntry | None:
+    """The entry at ``path`` if it exists and was written for exactly ``key``; None otherwise (logged)."""
+    if not path.is_file():
+        return None
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+        logps = data["logps"]
+        valid = data["key"] == dict(key) and tuple(logps.shape) == (num_pairs, 2) and logps.dtype == torch.float32
+    except Exception as exc:  # a truncated or foreign file is a cache miss, never a crash
+        logger.warning("ignoring unreadable reference log-prob cache %s (%s); recomputing", path, exc)
+        return None
+    if not valid:
+        logger.warning("reference log-prob cache %s does not match this run's key; recomputing", path)
+        return None
+    return CacheEntry(logps=logps, identity=data["identity"])
+
+
+def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
+    """Atomically writes an entry (temporary file in the same directory, fsync, ``os.replace``)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"key": dict(key), "logps": entry.logps, "identity": entry.identity}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> torch.Tensor:
+    """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
+
+    Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs (checked over the CPU
+    group before the first forward, so a rank with another dataset fails fast instead of hanging in ZeRO-3).
+
+    Args:
+        reference: A built reference backend (``sequence_logps``).
+        dataset: Tokenised pairs.
+        args: The run's ``PairDPOConfig`` (layout, device, dataloader settings, ``disable_tqdm``).
+        desc: Name of the dataset for the progress bar and messages.
+    """
+    sampler = EvalBatchSampler(
+        pair_costs(dataset),
+        world_size=args.world_size,
+        rank=args.process_index,
+        pairs_per_microbatch=args.per_device_eval_batch_size,
+    )
+    assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
+    loader = DataLoader(
+        WeightedPairs(dataset),
+        batch_sampler=sampler,
+        collate_fn=PackedPairCollator(),
+        num_workers=args.dataloader_num_workers,
+    )
+    indices: list[int] = []
+    values: list[torch.Tensor] = []
+    for keys, batch in zip(sampler, _progress(loader, args, desc), strict=True):
+        logps = reference.sequence_logps(batch.to(args.device)).detach().float()
+        kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
+        indices.extend(keys[j][0] for j in kept)
+        values.append(logps.view(-1, 2)[kept])
+    mine = (torch.tensor(indices, dtype=torch.int64), torch.cat(values).cpu() if values else torch.zeros(0, 2))
+    result = torch.full((len(dataset), 2), float("nan"), dtype=torch.float32)
+    seen = torch.zeros(len(dataset), dtype=torch.int64)
+    for rank_indices, rank_values in all_gather_cpu(mine):
+        result[rank_indices] = rank_values
+        seen.index_add_(0, rank_indices, torch.ones_like(rank_indices))
+    if not bool((seen == 1).all()):  # an internal invariant of plan_eval, not a user error
+        raise RuntimeError(f"the {desc} reference pass did not cover every pair exactly once")
+    if not bool(torch.isfinite(result).all()):
+        raise RuntimeError(
+            f"[non_finite] a precomputed {desc} reference log-prob is NaN/inf: check the reference weights, the "
+            "precision (fp16 overflow) and the data."
+        )
+    return result
+
+
+def _progress(loader: DataLoader, args: Any, desc: str):
+    """A tqdm bar on the main process (unless ``disable_tqdm``), the plain loader elsewhere."""
+    if args.disable_tqdm or args.process_index != 0:
+        return loader
+    from tqdm.auto import tqdm
+
+    return tqdm(loader, desc=f"reference log-probs ({desc})", unit="batch")

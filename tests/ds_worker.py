@@ -1,0 +1,209 @@
+"""Worker for tests/test_deepspeed.py: DeepSpeed ZeRO-3, 2 real processes on the CPU (``accelerate launch``, gloo).
+
+One launch runs every phase in order (each writes its result under OUT_DIR; the test compares them with single-process
+runs without DeepSpeed):
+
+  free / std: reference-free and standard DPO, 6 steps, DP=2 x GA=2 on the same global batch of 8 pairs as the test's
+      DP=1 x GA=2 runs. ``std`` also records how the policy and the reference engine are partitioned, the reference
+      digest before and after training, and saves checkpoint-3.
+  pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
+  resume: ``std`` resumed from its checkpoint-3 (online reference).
+  pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
+  tamper: resume from checkpoint-3 against another reference: ``reference_changed`` on every rank, before any step.
+  disagree / disagree_pre: rank 1 loads one pair fewer: ``ranks_disagree`` on every rank within seconds.
+  pinned / pinned_tamper: policy and reference loaded from a copy of the bundled pinned snapshot (verified on every
+      rank, the reference rebuilt model-only from it); then rank 0 changes the snapshot's weights (metadata rewritten
+      consistently) and the resume from checkpoint-2 is refused with ``reference_changed`` on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pair_dpo_trainer import PairDPOConfig, PairDPOError, PairDPOTrainer  # noqa: E402
+from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
+from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
+from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+
+NUM_PAIRS = 48
+GLOBAL_PAIRS = 8
+GA = 2
+STEPS = 6
+
+
+def build_trainer(
+    out_dir: Path, *, world_size: int, pairs=None, ref_model=None, model=None, **kwargs: Any
+) -> PairDPOTrainer:
+    """The run every phase and the test's single-process baselines share (fp32, no clipping, constant schedule)."""
+    options = dict(
+        output_dir=str(out_dir),
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        max_steps=STEPS,
+        logging_steps=1,
+        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * GA),
+        gradient_accumulation_steps=GA,
+        per_device_eval_batch_size=4,
+        learning_rate=1e-2,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        disable_tqdm=True,
+        allow_unpinned_reference=not kwargs.get("reference_free", False),
+    )
+    options.update(kwargs)
+    return PairDPOTrainer(
+        model=model if model is not None else tiny_llama(0),
+        args=PairDPOConfig(**options),
+        train_dataset=pairs if pairs is not None else synthetic_pairs(NUM_PAIRS),
+        processing_class=tiny_tokenizer(),
+        ref_model=ref_model,
+    )
+
+
+def losses(trainer: PairDPOTrainer, after: int = 0) -> list[float]:
+    """The logged training losses of the steps after ``after`` (a resumed run's history starts with the old steps)."""
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > after]
+
+
+def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's full value on the CPU (ZeRO-3 parameters gathered one at a time; collective)."""
+    named = gathered_named_parameters(model)
+    return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value() for name, value in named}
+
+
+def partitioning(model: torch.nn.Module) -> dict[str, Any]:
+    """How many parameters are ZeRO-3 partitioned (a slice per rank, not kept whole) and how many are frozen."""
+    params = list(model.parameters())
+    sliced = [
+        hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel and not getattr(p, "ds_persist", False)
+        for p in params
+    ]
+    return {"count": len(params), "sliced": sum(sliced), "frozen": sum(not p.requires_grad for p in params)}
+
+
+def run_std(out_dir: Path) -> dict[str, Any]:
+    trainer = build_trainer(out_dir / "std", world_size=2, save_strategy="steps", save_steps=3)
+    trainer.train()
+    reference = trainer.reference
+    digest_after = parameter_digest(reference.identity_parameters())
+    return {
+        "losses": losses(trainer),
+        "params": full_parameters(trainer.model),
+        "policy_partitioning": partitioning(trainer.model),
+        "reference_partitioning": partitioning(reference.model),
+        "reference_zero_stage": reference.zero_stage,
+        "reference_training": reference.model.training,
+        "reference_digest": [trainer.reference_identity.param_digest, digest_after],
+        "policy_is_engine": type(trainer.model_wrapped).__name__,
+    }
+
+
+def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
+    trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+    trainer.train(resume_from_checkpoint=str(out_dir / "std" / "checkpoint-3"))
+    return {
+        "losses": losses(trainer, after=3),
+        "params": full_parameters(trainer.model),
+        "builds": trainer.reference_manager.builds,
+    }
+
+
+def run_failing(out_dir: Path, name: str, *, resume: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    start = time.monotonic()
+    trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+    except PairDPOError as exc:
+        seconds, step = time.monotonic() - start, trainer.state.global_step
+        return {"reason_code": exc.reason_code, "message": str(exc), "seconds": seconds, "step": step}
+    return {"reason_code": None, "seconds": time.monotonic() - start}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])  # the process group starts with the first trainer
+    results: dict[str, Any] = {"timings": {}}
+
+    def timed(name: str, fn, *args: Any, **kwargs: Any) -> None:
+        start = time.monotonic()
+        results[name] = fn(*args, **kwargs)
+        results["timings"][name] = round(time.monotonic() - start, 2)
+
+    timed("free", lambda: {"losses": losses(_trained(out_dir / "free", reference_free=True))})
+    timed("std", run_std, out_dir)
+    cache = str(out_dir / "ref_logps_cache")
+    timed("pre", lambda: _pre(out_dir, cache))
+    timed("resume", run_resumed, out_dir, "resume")
+    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    checkpoint = str(out_dir / "std" / "checkpoint-3")
+    timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
+    short = synthetic_pairs(NUM_PAIRS - rank)
+    timed("disagree", run_failing, out_dir, "disagree", pairs=short)
+    timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
+    timed("pinned", run_pinned, out_dir, rank)
+    per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned")}
+    (out_dir / f"errors_rank{rank}.json").write_text(json.dumps(per_rank))
+    if rank == 0:
+        torch.save(results, out_dir / "results.pt")
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
+
+
+def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
+    """Pinned snapshot, 2 steps with a checkpoint, then a resume against a changed snapshot (refused)."""
+    import torch.distributed as dist
+
+    from pair_dpo_trainer.demo import DEMO_REVISION
+    from tests.test_reference_gate import _copy_snapshot, _reweight
+
+    snapshot = out_dir / "snapshot"
+    if rank == 0:
+        _copy_snapshot(out_dir, "snapshot")
+    dist.barrier()
+    options = dict(model=str(snapshot), ref_model_revision=DEMO_REVISION, save_strategy="steps", save_steps=2)
+    trainer = build_trainer(out_dir / "pinned", world_size=2, max_steps=2, **options)
+    loaded_partitioned = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
+    trainer.train()
+    result = {
+        "losses": losses(trainer),
+        "loaded_partitioned": loaded_partitioned,
+        "reference_partitioning": partitioning(trainer.reference.model),
+        "identity_pinned": trainer.reference_identity.pinned,
+    }
+    if rank == 0:
+        _reweight(snapshot, scale=1.5)
+    dist.barrier()
+    checkpoint = str(out_dir / "pinned" / "checkpoint-2")
+    result["tamper"] = run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
+    return result
+
+
+def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:
+    trainer = build_trainer(out_dir, world_size=2, **kwargs)
+    trainer.train()
+    return trainer
+
+
+def _pre(out_dir: Path, cache: str) -> dict[str, Any]:
+    trainer = _trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    return {
+        "losses": losses(trainer),
+        "builds": trainer.reference_manager.builds,
+        "backend": type(trainer.reference).__name__,
+        "cache_files": sorted(p.name for p in Path(cache).glob("ref_logps-*.pt")),
+    }
+
+
+if __name__ == "__main__":
+    main()

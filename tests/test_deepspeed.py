@@ -1,0 +1,176 @@
+"""DeepSpeed ZeRO-3 with 2 real processes on the CPU (``accelerate launch``, gloo, fp32), not mocked.
+
+One launch runs every phase (see tests/ds_worker.py); the single-process DP=1 runs without DeepSpeed run here. The
+DeepSpeed config sets ``stage3_param_persistence_threshold: 0`` so that the tiny models are really partitioned (the
+default keeps parameters below 1e5 elements whole), and leaves the other values ``"auto"``. DeepSpeed builds its
+shared-memory C++ extension on the first launch of a machine (about a minute), cached in ``TORCH_EXTENSIONS_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pair_dpo_trainer.integrity import parameter_digest
+from tests.ds_worker import build_trainer, losses
+
+pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
+pytestmark = pytest.mark.distributed
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 29641  # distinct from tests/test_distributed.py (29531) and accelerate_configs/cpu_2proc.yaml (29511)
+
+DS_CONFIG = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "train_batch_size": "auto",
+    "gradient_clipping": "auto",
+    "bf16": {"enabled": "auto"},
+    "fp16": {"enabled": "auto"},
+    "zero_optimization": {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 0,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+    },
+}
+
+ACCELERATE_CONFIG = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: DEEPSPEED
+deepspeed_config:
+  deepspeed_config_file: {ds_config}
+  zero3_init_flag: false
+num_machines: 1
+num_processes: 2
+machine_rank: 0
+main_process_ip: 127.0.0.1
+main_process_port: {port}
+use_cpu: true
+rdzv_backend: static
+same_network: true
+"""
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """Runs tests/ds_worker.py once on 2 ranks; returns (rank-0 results, per-rank error results)."""
+    root = tmp_path_factory.mktemp("zero3")
+    (root / "ds_config.json").write_text(json.dumps(DS_CONFIG))
+    config = root / "accelerate.yaml"
+    config.write_text(ACCELERATE_CONFIG.format(ds_config=root / "ds_config.json", port=PORT))
+    out = root / "out"
+    out.mkdir()
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "DS_ACCELERATOR": "cpu",
+        "PYTHONPATH": str(ROOT),
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
+        ),
+    }
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "tests" / "ds_worker.py"), str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    results = torch.load(out / "results.pt", weights_only=False)
+    results["timings"]["launch"] = round(time.monotonic() - start, 1)
+    print(f"\nZeRO-3 launch timings (s): {results['timings']}")
+    errors = [json.loads((out / f"errors_rank{rank}.json").read_text()) for rank in (0, 1)]
+    return results, errors
+
+
+@pytest.fixture(scope="module")
+def dp1(tmp_path_factory):
+    """The same runs in one process without DeepSpeed (DP=1 x GA=2, same global batch)."""
+    root = tmp_path_factory.mktemp("dp1")
+    runs = {}
+    for name, options in (("free", {"reference_free": True}), ("std", {})):
+        trainer = build_trainer(root / name, world_size=1, **options)
+        trainer.train()
+        runs[name] = {"losses": losses(trainer), "params": dict(trainer.model.named_parameters())}
+    return runs
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b) and len(a) > 0
+    return max(float((a[name].detach() - b[name].detach()).abs().max()) for name in a)
+
+
+@pytest.mark.parametrize("mode", ["free", "std"])
+def test_zero3_dp2_matches_dp1_without_deepspeed(zero3, dp1, mode):
+    results, _ = zero3
+    assert len(results[mode]["losses"]) == len(dp1[mode]["losses"]) == 6
+    assert results[mode]["losses"] == pytest.approx(dp1[mode]["losses"], abs=1e-5)
+    if mode == "std":  # Adam divides by sqrt(v): 1e-7 reduction-order noise in tiny gradients grows to ~2e-5
+        assert _max_diff(results[mode]["params"], dp1[mode]["params"]) < 1e-4
+
+
+def test_both_models_are_partitioned_the_reference_is_frozen_and_unchanged(zero3):
+    results, _ = zero3
+    std = results["std"]
+    assert std["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert std["policy_is_engine"] == "DeepSpeedEngine"
+    policy, reference = std["policy_partitioning"], std["reference_partitioning"]
+    assert policy["count"] > 0 and policy["sliced"] == policy["count"] and policy["frozen"] == 0
+    assert reference["sliced"] == reference["frozen"] == reference["count"] == policy["count"]
+    assert std["reference_zero_stage"] == 3 and std["reference_training"] is False
+    before, after = std["reference_digest"]
+    assert before == after and before is not None
+
+
+def test_resume_under_zero3_equals_the_uninterrupted_run(zero3):
+    results, _ = zero3
+    std = results["std"]
+    for name in ("resume", "pre_resume"):
+        assert results[name]["losses"] == pytest.approx(std["losses"][3:], abs=1e-6), name
+        assert _max_diff(results[name]["params"], std["params"]) <= 1e-6, name
+        assert parameter_digest(results[name]["params"].items()) == parameter_digest(std["params"].items()), name
+
+
+def test_precomputed_reference_matches_online_and_its_cache_is_reused(zero3):
+    results, _ = zero3
+    pre = results["pre"]
+    assert pre["losses"] == pytest.approx(results["std"]["losses"], abs=1e-6)
+    assert pre["builds"] == 1 and pre["backend"] == "PrecomputedReference"
+    assert len(pre["cache_files"]) == 1
+    assert results["pre_resume"]["builds"] == 0  # the resume read the cache: the reference was never built
+
+
+@pytest.mark.parametrize(
+    ("phase", "code"),
+    [("tamper", "reference_changed"), ("disagree", "ranks_disagree"), ("disagree_pre", "ranks_disagree")],
+)
+def test_a_changed_reference_or_disagreeing_ranks_fail_fast_on_every_rank(zero3, phase, code):
+    _, errors = zero3
+    for rank, result in enumerate(errors):
+        assert result[phase]["reason_code"] == code, (rank, result[phase])
+        assert result[phase]["seconds"] < 60 and result[phase]["step"] == 0  # nothing restored, no step ran
+
+
+def test_pinned_snapshot_under_zero3_is_verified_and_a_changed_one_is_refused_on_resume(zero3):
+    _, errors = zero3
+    for rank, result in enumerate(errors):
+        pinned = result["pinned"]
+        assert pinned["identity_pinned"] is True
+        assert pinned["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+        reference = pinned["reference_partitioning"]
+        assert reference["sliced"] == reference["frozen"] == reference["count"] > 0
+        assert pinned["tamper"]["reason_code"] == "reference_changed", (rank, pinned["tamper"])
+        assert "manifest" in pinned["tamper"]["message"]
