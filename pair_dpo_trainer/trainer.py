@@ -39,6 +39,7 @@ from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+from pair_dpo_trainer.summary import run_summary
 
 logger = logging.getLogger(__name__)
 
@@ -138,6 +139,8 @@ class PairDPOTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
+        if self.is_world_process_zero():
+            print(run_summary(self.args, attn_backend=self.attn_backend, source=self.reference_source), flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:

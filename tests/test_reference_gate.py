@@ -62,12 +62,13 @@ def _reweight(snapshot_dir, scale: float) -> None:
             (snapshot_dir / rel).write_bytes(content)
 
 
-def test_pinned_reference_is_verified_and_identity_is_written_beside_every_checkpoint(tmp_path):
+def test_pinned_reference_is_verified_and_identity_is_written_beside_every_checkpoint(tmp_path, capsys):
     model_dir = _copy_snapshot(tmp_path)
     trainer = _trainer(model_dir, tmp_path)
     assert trainer.reference_source.pinned
     expected_manifest = verify_snapshot(model_dir, DEMO_REVISION).manifest_digest
     trainer.train()
+    assert f"reference online, verified revision {DEMO_REVISION}" in capsys.readouterr().out
     for step in (1, 2):
         identity = read_identity(tmp_path / "out" / f"checkpoint-{step}")
         assert identity.pinned and identity.revision == DEMO_REVISION

@@ -143,3 +143,13 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     resumed_params = dict(resumed.model.named_parameters())
     for name, p_straight in straight.model.named_parameters():
         torch.testing.assert_close(resumed_params[name], p_straight, atol=1e-6, rtol=0, msg=name)
+
+
+def test_training_start_prints_a_one_line_summary(tmp_path, capsys):
+    trainer = _trainer(tmp_path, synthetic_pairs(16), max_steps=1)
+    trainer.train()
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")]
+    assert len(lines) == 1
+    summary = lines[0]
+    for part in ("world_size=1", "8 pairs/step", "in 2 micro-batches", "attention sdpa_segments", "online, unpinned"):
+        assert part in summary, summary

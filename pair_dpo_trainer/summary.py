@@ -1,0 +1,29 @@
+"""The one-line run summary printed when training starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def reference_mode(args: Any, source: Any) -> str:
+    """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``)."""
+    if args.reference_free:
+        return "reference-free"
+    mode = "precomputed" if args.precompute_ref_logps else "online"
+    revision = getattr(source, "revision", None)
+    return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}"
+
+
+def run_summary(args: Any, *, attn_backend: str, source: Any) -> str:
+    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision.
+
+    Example:
+        ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
+        reference online, verified revision fc70...``
+    """
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    return (
+        f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
+        f"{args.gradient_accumulation_steps} micro-batches) | attention {attn_backend} | "
+        f"reference {reference_mode(args, source)} | loss {args.loss_type}, beta={args.beta}"
+    )
