@@ -49,3 +49,25 @@ def synthetic_pairs(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
             rejected = [4] + rejected
         rows.append({"prompt_input_ids": prompt, "chosen_input_ids": chosen, "rejected_input_ids": rejected})
     return rows
+
+
+def cpu_config(tmp_path, **overrides):
+    """A ``PairDPOConfig`` for single-process CPU tests (unpinned in-memory reference allowed); overrides win."""
+    from pair_dpo_trainer import PairDPOConfig
+
+    options = dict(
+        output_dir=str(tmp_path / "out"),
+        report_to="none",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        per_device_eval_batch_size=8,
+        learning_rate=1e-3,
+        save_strategy="no",
+        logging_steps=1,
+        seed=0,
+        use_cpu=True,
+        disable_tqdm=True,
+        allow_unpinned_reference=True,
+    )
+    options.update(overrides)
+    return PairDPOConfig(**options)

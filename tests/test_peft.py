@@ -8,18 +8,17 @@ import math
 import pytest
 import torch
 
-from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
+from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference import FrozenReference
 from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 peft = pytest.importorskip("peft")
 
 # Standard DPO with an in-memory policy needs this opt-in where the config has it (pinned references otherwise).
-UNPINNED = {"allow_unpinned_reference": True} if hasattr(PairDPOConfig, "allow_unpinned_reference") else {}
 
 
 def _lora(model: torch.nn.Module, *, init_lora_weights: bool = True) -> torch.nn.Module:
@@ -35,21 +34,7 @@ def _lora(model: torch.nn.Module, *, init_lora_weights: bool = True) -> torch.nn
 
 
 def _trainer(tmp_path, policy: torch.nn.Module, pairs: list[dict], **kwargs) -> PairDPOTrainer:
-    config = PairDPOConfig(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        per_device_eval_batch_size=8,
-        learning_rate=1e-2,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        use_cpu=True,
-        disable_tqdm=True,
-        **UNPINNED,
-        **kwargs,
-    )
+    config = cpu_config(tmp_path, learning_rate=1e-2, **kwargs)
     return PairDPOTrainer(
         model=policy, args=config, train_dataset=pairs, eval_dataset=pairs, processing_class=tiny_tokenizer()
     )

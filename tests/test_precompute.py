@@ -16,30 +16,16 @@ from pair_dpo_trainer.integrity import IDENTITY_FILENAME, parameter_digest, read
 from pair_dpo_trainer.reference import manager as manager_module
 from pair_dpo_trainer.reference.engine import reference_ds_config
 from pair_dpo_trainer.reference.precompute import PrecomputedReference, dataset_fingerprint
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 from tests.test_reference_gate import _reweight
 
 
 def _trainer(tmp_path, *, pairs=None, out="out", model=None, **kwargs) -> PairDPOTrainer:
-    options = dict(
-        output_dir=str(tmp_path / out),
-        report_to="none",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        per_device_eval_batch_size=8,
-        learning_rate=1e-3,
-        max_steps=4,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        use_cpu=True,
-        disable_tqdm=True,
-        allow_unpinned_reference=True,
-    )
+    options = dict(output_dir=str(tmp_path / out), max_steps=4)
     options.update(kwargs)
     return PairDPOTrainer(
         model=model if model is not None else tiny_llama(0),
-        args=PairDPOConfig(**options),
+        args=cpu_config(tmp_path, **options),
         train_dataset=pairs if pairs is not None else synthetic_pairs(40),
         eval_dataset=synthetic_pairs(10, seed=4),
         processing_class=tiny_tokenizer(),

@@ -12,26 +12,11 @@ from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.logprobs import padded_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference, NoReference
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        per_device_eval_batch_size=8,
-        learning_rate=1e-3,
-        save_strategy="no",
-        logging_steps=1,
-        seed=0,
-        use_cpu=True,
-        disable_tqdm=True,
-        allow_unpinned_reference=True,
-    )
-    base.update(kwargs)
-    return PairDPOConfig(**base)
+    return cpu_config(tmp_path, **kwargs)
 
 
 def _trainer(tmp_path, pairs, ref_model=None, **kwargs) -> PairDPOTrainer:

@@ -16,14 +16,11 @@ from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, generate_demo_pairs
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleError
 from pair_dpo_trainer.modeling import attention
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
-
-UNPINNED = {"allow_unpinned_reference": True} if hasattr(PairDPOConfig, "allow_unpinned_reference") else {}
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 
 def _config(tmp_path: Path, **kwargs) -> PairDPOConfig:
-    base = dict(output_dir=str(tmp_path / "out"), report_to="none", use_cpu=True, disable_tqdm=True, save_strategy="no")
-    return PairDPOConfig(**{**base, **UNPINNED, **kwargs})
+    return cpu_config(tmp_path, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------ configuration

@@ -25,12 +25,12 @@ import importlib.util
 import json
 import os
 import platform
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
 if TYPE_CHECKING:
@@ -239,16 +239,8 @@ def write_identity(checkpoint_dir: str | os.PathLike[str], identity: ReferenceId
     directory = Path(checkpoint_dir)
     target = directory / IDENTITY_FILENAME
     text = json.dumps(identity.to_dict(), sort_keys=True, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{IDENTITY_FILENAME}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(target) as f:
+        f.write(text)
     return target
 
 

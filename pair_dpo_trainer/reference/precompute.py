@@ -24,7 +24,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_costs
 from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
@@ -183,16 +183,8 @@ def read_cache(path: Path, key: Mapping[str, Any], num_pairs: int) -> CacheEntry
 def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
     """Atomically writes an entry (temporary file in the same directory, fsync, ``os.replace``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"key": dict(key), "logps": entry.logps, "identity": entry.identity}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path, "wb") as f:
+        torch.save({"key": dict(key), "logps": entry.logps, "identity": entry.identity}, f)
     return path
 
 
