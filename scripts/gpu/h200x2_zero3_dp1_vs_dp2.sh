@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine from the repository root, carrying the wheels in .whl/ and ../shared/bench copied to .bench/
 # (see docs/bench_dpo_howto.md); results land in $OUT.
-# Two H200 with ZeRO-3: DP=1 vs DP=2 curves, precomputed reference, resume (docs/zero3_howto.md), then throughput.
+# Two H200 with ZeRO-3: DP=1 vs DP=2 loss curves, 10 steps (docs/zero3_howto.md).
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=8
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
