@@ -107,6 +107,7 @@ class PairDPOTrainer(Trainer):
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
         self._train_sampler: PairBatchSampler | None = None
+        self._flop_params: int | None = None
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig) -> Any:
@@ -229,10 +230,15 @@ class PairDPOTrainer(Trainer):
         return inputs.to(self.args.device, non_blocking=True)
 
     def floating_point_ops(self, inputs: PackedPairBatch) -> int:
-        """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T)."""
-        params = self.model.num_parameters(exclude_embeddings=True) if hasattr(self.model, "num_parameters") else 0
+        """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
+
+        N (non-embedding parameters, ZeRO-3 partitions counted whole) is counted once and cached: this runs per
+        micro-batch.
+        """
+        if self._flop_params is None:
+            self._flop_params = non_embedding_parameters(self.model)
         ref_flops = 0 if self.args.reference_free or self.args.precompute_ref_logps else 2
-        return (6 + ref_flops) * params * inputs.num_tokens
+        return (6 + ref_flops) * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
@@ -313,6 +319,12 @@ def pair_logps_from_sequences(policy_logps: torch.Tensor, ref_logps: torch.Tenso
         chosen_token_counts=counts[0::2],
         rejected_token_counts=counts[1::2],
     )
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters outside ``nn.Embedding`` modules, counting a ZeRO-3 partitioned parameter at its full size."""
+    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embedding)
 
 
 def completion_token_counts(batch: PackedPairBatch) -> torch.Tensor:

@@ -138,3 +138,11 @@ def test_training_start_prints_a_one_line_summary(tmp_path, capsys):
     summary = lines[0]
     for part in ("world_size=1", "8 pairs/step", "in 2 micro-batches", "attention sdpa_segments", "online, unpinned"):
         assert part in summary, summary
+
+
+def test_floating_point_ops_count_non_embedding_parameters_once(tmp_path):
+    trainer = _trainer(tmp_path, synthetic_pairs(8))
+    batch = trainer.data_collator(synthetic_pairs(2))
+    expected_params = trainer.model.num_parameters(exclude_embeddings=True)
+    assert trainer.floating_point_ops(batch) == 8 * expected_params * batch.num_tokens
+    assert trainer._flop_params == expected_params
