@@ -19,10 +19,10 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer, ScheduleError
+from pair_dpo_trainer import PairDPOTrainer, ScheduleError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 64
 GLOBAL_PAIRS = 8
@@ -40,20 +40,14 @@ class FirstStepGradients(TrainerCallback):
 
 
 def build_trainer(out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, **kwargs) -> PairDPOTrainer:
-    config = PairDPOConfig(
+    config = cpu_config(
+        out_dir,
         output_dir=str(out_dir),
-        report_to="none",
-        use_cpu=True,
-        seed=0,
         max_steps=max_steps,
-        logging_steps=1,
         per_device_train_batch_size=GLOBAL_PAIRS // (world_size * ga),
         gradient_accumulation_steps=ga,
         learning_rate=1e-2,
         max_grad_norm=0.0,
-        save_strategy="no",
-        disable_tqdm=True,
-        allow_unpinned_reference=True,
         **kwargs,
     )
     return PairDPOTrainer(model=tiny_llama(0), args=config, train_dataset=pairs, processing_class=tiny_tokenizer())

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pair_dpo_trainer import PairDPOConfig, PairDPOError, PairDPOTrainer  # noqa: E402
+from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48
 GLOBAL_PAIRS = 8
@@ -45,24 +45,18 @@ def build_trainer(
     """The run every phase and the test's single-process baselines share (fp32, no clipping, constant schedule)."""
     options = dict(
         output_dir=str(out_dir),
-        report_to="none",
-        use_cpu=True,
-        seed=0,
         max_steps=STEPS,
-        logging_steps=1,
         per_device_train_batch_size=GLOBAL_PAIRS // (world_size * GA),
         gradient_accumulation_steps=GA,
         per_device_eval_batch_size=4,
         learning_rate=1e-2,
         max_grad_norm=0.0,
-        save_strategy="no",
-        disable_tqdm=True,
         allow_unpinned_reference=not kwargs.get("reference_free", False),
     )
     options.update(kwargs)
     return PairDPOTrainer(
         model=model if model is not None else tiny_llama(0),
-        args=PairDPOConfig(**options),
+        args=cpu_config(out_dir, **options),
         train_dataset=pairs if pairs is not None else synthetic_pairs(NUM_PAIRS),
         processing_class=tiny_tokenizer(),
         ref_model=ref_model,

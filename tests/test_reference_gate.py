@@ -14,28 +14,24 @@ from safetensors.torch import load_file, save
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, SnapshotIntegrityError
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path, download_metadata_files
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
+from tests.dpo_fixtures import cpu_config
 
 PAIRS = [json.loads(line) for line in open(bundled_pairs_path(), encoding="utf-8").readlines()[:48]]
 
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:
-    base = dict(
-        output_dir=str(tmp_path / "out"),
-        report_to="none",
-        per_device_train_batch_size=4,
+    """Pinned-reference runs on the bundled model: the unpinned escape hatch is off unless a test turns it on."""
+    options = dict(
         gradient_accumulation_steps=1,
         max_steps=2,
         save_strategy="steps",
         save_steps=1,
-        logging_steps=1,
-        use_cpu=True,
-        disable_tqdm=True,
         max_length=128,
         max_prompt_length=64,
-        seed=0,
+        allow_unpinned_reference=False,
     )
-    base.update(kwargs)
-    return PairDPOConfig(**base)
+    options.update(kwargs)
+    return cpu_config(tmp_path, **options)
 
 
 def _copy_snapshot(tmp_path, name="snapshot"):
