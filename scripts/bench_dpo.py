@@ -380,6 +380,24 @@ def timed_tokens(probe: Probe, warmup: int) -> tuple[list[float], list[tuple[int
     return dts, log
 
 
+def row_head(ctx: dict[str, Any], trainer: BenchTrainer, impl: str, tok_s: float) -> dict[str, Any]:
+    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention), tok/s and MFU."""
+    args = ctx["args"]
+    n_all, n_noembed = ctx["params"]
+    factor = 8 if args.reference == "online" else 6  # 6N policy fwd+bwd, plus 2N for an online reference forward
+    return {
+        "tag": args.tag,
+        "impl": impl,
+        "rank": ctx["rank"],
+        "world": ctx["world"],
+        "model_size": args.model_size,
+        "reference": args.reference,
+        "attn": f"pair_varlen:{trainer.attn_backend}",
+        "real_tok_s_gpu": round(tok_s, 1),
+        **mfu_fields(tok_s, n_all, n_noembed, factor),
+    }
+
+
 def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict[str, Any]:
     """The ``RESULT`` row: TRL's fields (same names and meaning) plus ours."""
     args = ctx["args"]
@@ -388,22 +406,14 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
     real, padded = sum(x[1] for x in log), sum(x[2] for x in log)
     inner = [e - b for b, e in zip(probe.begins, probe.ends, strict=False)][len(probe.ends) - steps :]
     tok_s = real / sum(dts)
-    n_all, n_noembed = ctx["params"]
-    factor = 8 if args.reference == "online" else 6
     return {
-        "tag": args.tag,
-        "impl": "pair_dpo",
-        "rank": ctx["rank"],
-        "world": ctx["world"],
-        "attn": f"pair_varlen:{trainer.attn_backend}",
+        **row_head(ctx, trainer, "pair_dpo", tok_s),
         "padding_free_requested": True,
         "padding_free_effective": True,
         "deepspeed": bool(trainer.is_deepspeed_enabled),
         "bs_pairs": ctx["bs"] * args.ga,
         "micro_batch_pairs": ctx["bs"],
         "grad_accum": args.ga,
-        "model_size": args.model_size,
-        "reference": args.reference,
         "reference_backend": type(trainer.reference).__name__,
         **step_stats(dts),
         "inner_step_median_s": round(statistics.median(inner), 4),
@@ -412,11 +422,9 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "microbatch_tokens_mean": round(padded / len(log), 1),
         "microbatch_tokens_max": max(x[2] for x in log),
         "padding_frac": round(1 - real / padded, 4),
-        "real_tok_s_gpu": round(tok_s, 1),
         "real_tok_s_gpu_from_median": round(real / steps / statistics.median(dts), 1),
-        **mfu_fields(tok_s, n_all, n_noembed, factor),
-        "n_params": n_all,
-        "n_params_no_embed": n_noembed,
+        "n_params": ctx["params"][0],
+        "n_params_no_embed": ctx["params"][1],
         **memory_fields(ctx["cuda"]),
         "train_wall_s": round(ctx["train_wall_s"], 1),
         "shapes_first": [[1, x[2]] for x in log[:3]],
@@ -485,21 +493,11 @@ def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
     timed, rows = dts[args.warmup :], batches[args.warmup :]
     real = sum(int(b.num_tokens) for b in rows)
     tok_s = real / sum(timed)
-    n_all, n_noembed = ctx["params"]
-    factor = 8 if args.reference == "online" else 6
     return {
-        "tag": args.tag,
-        "impl": "pair_dpo_ceiling",
-        "rank": ctx["rank"],
-        "world": ctx["world"],
-        "model_size": args.model_size,
-        "reference": args.reference,
-        "attn": f"pair_varlen:{trainer.attn_backend}",
+        **row_head(ctx, trainer, "pair_dpo_ceiling", tok_s),
         "bs_pairs": trainer.args.pairs_per_rank_per_step,
         **step_stats(timed),
         "real_tokens_per_step": round(real / len(rows), 1),
-        "real_tok_s_gpu": round(tok_s, 1),
-        **mfu_fields(tok_s, n_all, n_noembed, factor),
         **memory_fields(ctx["cuda"]),
         "step_s": [round(d, 3) for d in timed],
     }
