@@ -71,3 +71,36 @@ def cpu_config(tmp_path, **overrides):
     )
     options.update(overrides)
     return PairDPOConfig(**options)
+
+
+def random_features(
+    seed: int | random.Random,
+    n: int,
+    *,
+    vocab: int,
+    prompt_len: tuple[int, int],
+    completion_len: tuple[int, int],
+    first_id: int = 1,
+) -> list[dict[str, list[int]]]:
+    """``n`` tokenised pairs of random ids in ``[first_id, vocab)`` with lengths drawn from the given ranges.
+
+    Args:
+        seed: A seed or a ``random.Random`` to draw from.
+        n: Number of pairs.
+        vocab: Exclusive upper bound of the ids.
+        prompt_len / completion_len: Inclusive ``(low, high)`` lengths of the prompt and of each completion.
+        first_id: Smallest id (keep special ids out).
+    """
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+
+    def ids(bounds: tuple[int, int]) -> list[int]:
+        return [rng.randrange(first_id, vocab) for _ in range(rng.randint(*bounds))]
+
+    return [
+        {
+            "prompt_input_ids": ids(prompt_len),
+            "chosen_input_ids": ids(completion_len),
+            "rejected_input_ids": ids(completion_len),
+        }
+        for _ in range(n)
+    ]

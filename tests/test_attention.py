@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 import torch
@@ -23,6 +22,7 @@ from pair_dpo_trainer.modeling import (
     select_attn_backend,
     varlen_attention,
 )
+from tests.dpo_fixtures import random_features
 
 VOCAB = 101
 
@@ -44,15 +44,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 
 
 def features(seed: int, n: int) -> list[dict[str, list[int]]]:
-    rng = random.Random(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return [rng.randrange(1, VOCAB) for _ in range(rng.randint(low, high))]
-
-    return [
-        {"prompt_input_ids": ids(3, 9), "chosen_input_ids": ids(2, 8), "rejected_input_ids": ids(2, 8)}
-        for _ in range(n)
-    ]
+    return random_features(seed, n, vocab=VOCAB, prompt_len=(3, 9), completion_len=(2, 8))
 
 
 def logps_from_logits(logits: torch.Tensor, labels: torch.Tensor, index: torch.Tensor, count: int):

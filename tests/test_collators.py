@@ -15,6 +15,7 @@ from pair_dpo_trainer.collators import (
     PaddedPairCollator,
 )
 from pair_dpo_trainer.errors import PreferenceRowError
+from tests.dpo_fixtures import random_features
 
 EXAMPLE = [{"prompt_input_ids": [5, 6], "chosen_input_ids": [7, 2], "rejected_input_ids": [8, 9, 2]}]
 F, T_ = False, True
@@ -25,13 +26,7 @@ def _tensor(values, dtype=torch.int64):
 
 
 def _random_features(rng: random.Random, n: int, vocab: int = 50) -> list[dict[str, list[int]]]:
-    def ids(low: int, high: int) -> list[int]:
-        return [rng.randrange(1, vocab) for _ in range(rng.randint(low, high))]
-
-    return [
-        {"prompt_input_ids": ids(1, 9), "chosen_input_ids": ids(1, 8), "rejected_input_ids": ids(1, 8)}
-        for _ in range(n)
-    ]
+    return random_features(rng, n, vocab=vocab, prompt_len=(1, 9), completion_len=(1, 8))
 
 
 def test_packed_literal_example() -> None:

@@ -5,7 +5,6 @@ Prints the numbers quoted in docs/benchmarks.md ("Packed log-probs and attention
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from pair_dpo_trainer.logprobs import (
     padded_sequence_logps,
 )
 from pair_dpo_trainer.modeling import BACKENDS, enable_pair_varlen, select_attn_backend, varlen_attention
+from tests.dpo_fixtures import random_features
 
 pytestmark = [
     pytest.mark.gpu,
@@ -47,19 +47,7 @@ def _llama_100m() -> torch.nn.Module:
 
 
 def _features(seed: int, n: int) -> list[dict[str, list[int]]]:
-    rng = random.Random(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return [rng.randrange(3, VOCAB) for _ in range(rng.randint(low, high))]
-
-    return [
-        {
-            "prompt_input_ids": ids(64, 512),
-            "chosen_input_ids": ids(32, 512),
-            "rejected_input_ids": ids(32, 512),
-        }
-        for _ in range(n)
-    ]
+    return random_features(seed, n, vocab=VOCAB, prompt_len=(64, 512), completion_len=(32, 512), first_id=3)
 
 
 def _kernel_backends() -> list[str]:

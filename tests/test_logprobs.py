@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import (
@@ -28,6 +26,7 @@ from pair_dpo_trainer.logprobs import (
     split_pair_logps,
 )
 from pair_dpo_trainer.modeling import enable_pair_varlen
+from tests.dpo_fixtures import random_features
 
 VOCAB = 101
 TINY = {
@@ -59,16 +58,8 @@ def tiny_model(arch: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-def random_features(seed: int, n: int) -> list[dict[str, list[int]]]:
-    rng = random.Random(seed)
-
-    def ids(low: int, high: int) -> list[int]:
-        return [rng.randrange(1, VOCAB) for _ in range(rng.randint(low, high))]
-
-    return [
-        {"prompt_input_ids": ids(2, 10), "chosen_input_ids": ids(1, 9), "rejected_input_ids": ids(1, 9)}
-        for _ in range(n)
-    ]
+def tiny_features(seed: int, n: int) -> list[dict[str, list[int]]]:
+    return random_features(seed, n, vocab=VOCAB, prompt_len=(2, 10), completion_len=(1, 9))
 
 
 def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -133,7 +124,7 @@ def test_module_chunked_matches_naive() -> None:
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 def test_packed_matches_padded_values_and_grads(arch: str) -> None:
     model = tiny_model(arch)
-    features = random_features(seed=3, n=3)
+    features = tiny_features(seed=3, n=3)
     padded, packed = PaddedPairCollator()(features), PackedPairCollator()(features)
     weights = torch.randn(2 * len(features), generator=torch.Generator().manual_seed(5))
 
@@ -156,7 +147,7 @@ def test_packed_matches_padded_values_and_grads(arch: str) -> None:
 
 def test_packed_with_pad_segment_matches_padded() -> None:
     model = tiny_model("llama")
-    features = random_features(seed=4, n=2)
+    features = tiny_features(seed=4, n=2)
     ref = padded_sequence_logps(model, PaddedPairCollator()(features))
     enable_pair_varlen(model, "sdpa_segments")
     batch = PackedPairCollator(pad_to_multiple_of=16, pad_token_id=0)(features)
@@ -171,7 +162,7 @@ def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
 
     model = tiny_model("llama")
     enable_pair_varlen(model, "sdpa_segments")
-    batch = PackedPairCollator()(random_features(seed=6, n=2))
+    batch = PackedPairCollator()(tiny_features(seed=6, n=2))
     hidden = lp.packed_hidden_states(model, batch).detach()
     monkeypatch.setattr(lp, "packed_hidden_states", lambda _m, _b: hidden)
 
@@ -199,14 +190,14 @@ def test_logit_transforms_are_refused(name: str, value: float) -> None:
     setattr(model.config, name, value)
     enable_pair_varlen(model, "sdpa_segments")
     with pytest.raises(ConfigError) as info:
-        packed_sequence_logps(model, PackedPairCollator()(random_features(0, 1)))
+        packed_sequence_logps(model, PackedPairCollator()(tiny_features(0, 1)))
     assert info.value.reason_code == "logit_transform_unsupported"
 
 
 def test_packed_logps_refuse_non_varlen_attention() -> None:
     model = tiny_model("llama")  # sdpa: would build a dense [T, T] mask (or leak across sequences)
     with pytest.raises(ConfigError) as info:
-        packed_sequence_logps(model, PackedPairCollator()(random_features(0, 1)))
+        packed_sequence_logps(model, PackedPairCollator()(tiny_features(0, 1)))
     assert info.value.reason_code == "attn_not_varlen"
 
 
@@ -224,7 +215,7 @@ def test_wrapped_model_is_unwrapped_and_called() -> None:
             return self.module(**kwargs)
 
     model = tiny_model("qwen2")
-    features = random_features(seed=8, n=2)
+    features = tiny_features(seed=8, n=2)
     ref = padded_sequence_logps(model, PaddedPairCollator()(features))
     wrapper = Wrapper(model)
     enable_pair_varlen(wrapper)
