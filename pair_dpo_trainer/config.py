@@ -20,6 +20,7 @@ from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity.layout import is_pinned_revision
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
 from pair_dpo_trainer.modeling.attention import BACKENDS
+from pair_dpo_trainer.modeling.compile import compile_mode_problem
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
 
@@ -188,11 +189,17 @@ class PairDPOConfig(TrainingArguments):
                 )
             )
         problems.extend(self._length_problems())
+        problems.extend(self._compile_problems())
         if self.attn_backend not in ATTN_BACKENDS:
             problems.append(
                 ("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}.")
             )
         return problems
+
+    def _compile_problems(self) -> list[tuple[str, str]]:
+        """``torch_compile`` compiles the decoder layers with dynamic shapes (``modeling.compile``): no CUDA graphs."""
+        problem = compile_mode_problem(self.torch_compile_mode)
+        return [] if problem is None else [("unsupported_combination", problem)]
 
     def _length_problems(self) -> list[tuple[str, str]]:
         problems: list[tuple[str, str]] = []

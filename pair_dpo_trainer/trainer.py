@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
@@ -35,6 +36,7 @@ from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
@@ -108,6 +110,8 @@ class PairDPOTrainer(Trainer):
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
         self._train_sampler: PairBatchSampler | None = None
         self._flop_params: int | None = None
+        if args.torch_compile:
+            self._take_over_compile()
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig) -> Any:
@@ -140,6 +144,7 @@ class PairDPOTrainer(Trainer):
             if resume_from_checkpoint is None:
                 raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
         self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
+        self._compile_layers()
         if self.is_world_process_zero():
             print(run_summary(self.args, attn_backend=self.attn_backend, source=self.reference_source), flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
@@ -150,7 +155,33 @@ class PairDPOTrainer(Trainer):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             datasets = {"eval": eval_dataset}
         self.reference_manager.prepare(datasets)
+        self._compile_layers()
         return super().evaluate(eval_dataset, *args, **kwargs)
+
+    # ------------------------------------------------------------------ torch.compile
+    def _take_over_compile(self) -> None:
+        """``torch_compile=True`` compiles the decoder layers in place (see ``modeling.compile``), not the whole
+        model: accelerate's whole-model compile is switched off here, so it is never applied as well."""
+        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
+            raise ConfigError(
+                "unsupported_combination",
+                "torch_compile=True is not supported with DeepSpeed ZeRO-3 (its per-module parameter hooks cannot be "
+                "traced inside a compiled layer): set torch_compile=False, or use a single GPU, DDP or ZeRO-1/2.",
+            )
+        from accelerate.utils import DynamoBackend
+
+        self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
+
+    def _compile_layers(self) -> None:
+        """Compiles the policy's and an in-process reference's decoder layers, after the reference exists (so a
+        reference copied from the policy is copied uncompiled). Idempotent."""
+        if not self.args.torch_compile:
+            return
+        options = {"backend": self.args.torch_compile_backend or "inductor", "mode": self.args.torch_compile_mode}
+        compile_decoder_layers(self.model, **options)
+        reference_model = getattr(self.reference_manager.backend_if_built, "model", None)
+        if isinstance(reference_model, torch.nn.Module):
+            compile_decoder_layers(reference_model, **options)
 
     def _reference_datasets(self) -> dict[str, Any]:
         """The datasets a precomputed reference covers: the train set and every eval set."""
@@ -243,23 +274,26 @@ class PairDPOTrainer(Trainer):
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
         """Per-pair DPO losses of one micro-batch, scaled as the module docstring explains."""
-        policy_logps = packed_sequence_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
-        ref_logps = self.reference.sequence_logps(inputs)
-        pair = pair_logps_from_sequences(policy_logps, ref_logps, inputs)
-        losses = self._loss_fn(pair, self._loss_params)
-        torch._assert_async(
-            torch.isfinite(losses).all(),
-            "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
-            "(check the learning rate, bf16 overflow, and the data).",
-        )
-        mode = "train" if model.training else "eval"
-        self._metrics[mode].update(
-            pair, losses, self.args.beta, weights=inputs.pair_weights, num_tokens=inputs.num_tokens
-        )
-        if num_items_in_batch is None:
-            loss = losses.mean()
-        else:
-            loss = losses.sum() * (self.args.world_size / num_items_in_batch)
+        with record_function("pair_dpo::policy_logps"):  # profiler ranges: per-region host time in bench_dpo
+            policy_logps = packed_sequence_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
+        with record_function("pair_dpo::reference_logps"):
+            ref_logps = self.reference.sequence_logps(inputs)
+        with record_function("pair_dpo::loss"):
+            pair = pair_logps_from_sequences(policy_logps, ref_logps, inputs)
+            losses = self._loss_fn(pair, self._loss_params)
+            torch._assert_async(
+                torch.isfinite(losses).all(),
+                "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
+                "(check the learning rate, bf16 overflow, and the data).",
+            )
+            mode = "train" if model.training else "eval"
+            self._metrics[mode].update(
+                pair, losses, self.args.beta, weights=inputs.pair_weights, num_tokens=inputs.num_tokens
+            )
+            if num_items_in_batch is None:
+                loss = losses.mean()
+            else:
+                loss = losses.sum() * (self.args.world_size / num_items_in_batch)
         return (loss, {"losses": losses}) if return_outputs else loss
 
     # ------------------------------------------------------------------ eval and logging

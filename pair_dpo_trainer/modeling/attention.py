@@ -129,9 +129,40 @@ def select_attn_backend(
     return requested
 
 
-@functools.lru_cache(maxsize=32)
+_RESOLVED: dict[tuple[str, torch.device, torch.dtype], str] = {}
+
+
+@torch.compiler.assume_constant_result  # under torch.compile: evaluated once at trace time, a constant in the graph
 def _resolve_cached(requested: str, device: torch.device, dtype: torch.dtype) -> str:
-    return select_attn_backend(requested, device, dtype)
+    """:func:`select_attn_backend`, cached per ``(requested, device, dtype)``; loads the kernel too."""
+    key = (requested, device, dtype)
+    backend = _RESOLVED.get(key)
+    if backend is None:
+        backend = select_attn_backend(requested, device, dtype)
+        _kernel(backend)  # import and introspect outside any traced region
+        _RESOLVED[key] = backend
+    return backend
+
+
+_KERNELS: dict[str, Callable[..., torch.Tensor]] = {}
+"""Loaded varlen kernels by backend name; the hot path reads this dict (no imports or introspection there)."""
+_GQA_KWARGS: dict[str, bool] = {}
+
+
+def _kernel(backend: str) -> Callable[..., torch.Tensor]:
+    """The varlen kernel of ``backend`` (``flash_attn`` / ``torch_varlen``), loaded on first use."""
+    kernel = _KERNELS.get(backend)
+    if kernel is None:
+        if backend == "flash_attn":
+            kernel, gqa = _flash_attn_varlen_func(), False
+        elif backend == "torch_varlen":
+            kernel, gqa = _torch_varlen_attn() or (None, False)
+        else:
+            return None  # type: ignore[return-value]  - sdpa_segments needs no kernel
+        if kernel is None:
+            raise ConfigError("attn_backend_unavailable", f"attention backend {backend!r} is not installed")
+        _KERNELS[backend], _GQA_KWARGS[backend] = kernel, gqa
+    return kernel
 
 
 def register_pair_varlen() -> str:
@@ -255,7 +286,7 @@ def pair_varlen_attention_forward(
         _packed(key),
         _packed(value),
         cu_seqlens,
-        int(max_seqlen),
+        max_seqlen if isinstance(max_seqlen, (int, torch.SymInt)) else int(max_seqlen),  # keeps a SymInt symbolic
         backend=backend,
         scale=scaling,
         causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
@@ -316,15 +347,15 @@ def varlen_attention(
     cu_seqlens = cu_seqlens.to(torch.int32)
     if backend == "flash_attn":
         extra = {"softcap": float(softcap)} if softcap else {}
-        return _flash_attn_varlen_func()(  # type: ignore[misc]
+        return _kernel(backend)(
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
             dropout_p=dropout, softmax_scale=scale, causal=causal,
             window_size=(left, 0 if causal else -1), **extra,
         )  # fmt: skip
     if dropout > 0.0:
         raise ConfigError("attn_feature_unsupported", "torch_varlen has no attention dropout; set it to 0")
-    varlen_attn, accepts_gqa = _torch_varlen_attn()  # type: ignore[misc]
-    extra = {"enable_gqa": True} if accepts_gqa and query.shape[1] != key.shape[1] else {}
+    varlen_attn = _kernel(backend)
+    extra = {"enable_gqa": True} if _GQA_KWARGS[backend] and query.shape[1] != key.shape[1] else {}
     return varlen_attn(
         query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
         scale=scale, window_size=(left, 0 if causal else -1), **extra,

@@ -117,6 +117,11 @@ class ReferenceManager:
         return self._backend
 
     @property
+    def backend_if_built(self) -> Any:
+        """The reference backend if it exists now (never builds one), else None."""
+        return self._backend
+
+    @property
     def identity(self) -> ReferenceIdentity | None:
         """The reference identity (None for reference-free runs, or before a lazy reference is prepared)."""
         return self._identity
