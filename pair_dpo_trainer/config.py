@@ -116,6 +116,15 @@ class PairDPOConfig(TrainingArguments):
             "accelerator (False). None: the same offload_param setting as the policy."
         },
     )
+    ref_zero_stage: int | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSpeed only: ZeRO stage of the reference engine. None: 3 under a ZeRO-3 policy (sharded like "
+            "the policy), else 0 (replicated). 0: replicate the reference on every rank even under a ZeRO-3 policy "
+            "(no per-layer parameter gathers in its forward; needs the reference's weights in the compute dtype on "
+            "every GPU). 3: shard it (only with a ZeRO-3 policy)."
+        },
+    )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
@@ -188,6 +197,7 @@ class PairDPOConfig(TrainingArguments):
                     "names, tags and short SHAs move or are ambiguous).",
                 )
             )
+        problems.extend(self._reference_engine_problems())
         problems.extend(self._length_problems())
         problems.extend(self._compile_problems())
         if self.attn_backend not in ATTN_BACKENDS:
@@ -195,6 +205,24 @@ class PairDPOConfig(TrainingArguments):
                 ("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}.")
             )
         return problems
+
+    def _reference_engine_problems(self) -> list[tuple[str, str]]:
+        """``ref_zero_stage`` / ``ref_offload_params``; the DeepSpeed-dependent checks are in ``reference/``."""
+        stage = self.ref_zero_stage
+        if stage is None:
+            return []
+        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 3):
+            return [("bad_ref_zero_stage", f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3.")]
+        if stage == 0 and self.ref_offload_params:
+            return [
+                (
+                    "unsupported_combination",
+                    "ref_zero_stage=0 replicates the reference on every accelerator, but ref_offload_params=True "
+                    "offloads the parameters of a sharded (ZeRO-3) reference: set ref_zero_stage=3 (or leave it "
+                    "unset) to offload, or ref_offload_params=False / unset to replicate.",
+                )
+            ]
+        return []
 
     def _compile_problems(self) -> list[tuple[str, str]]:
         """``torch_compile`` compiles the decoder layers with dynamic shapes (``modeling.compile``): no CUDA graphs."""

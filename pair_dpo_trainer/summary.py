@@ -6,12 +6,14 @@ from typing import Any
 
 
 def reference_mode(args: Any, source: Any) -> str:
-    """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``)."""
+    """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``), and
+    ``replicated (ref_zero_stage=0)`` when asked for."""
     if args.reference_free:
         return "reference-free"
     mode = "precomputed" if args.precompute_ref_logps else "online"
     revision = getattr(source, "revision", None)
-    return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}"
+    replicated = ", replicated (ref_zero_stage=0)" if getattr(args, "ref_zero_stage", None) == 0 else ""
+    return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
 
 
 def run_summary(args: Any, *, attn_backend: str, source: Any) -> str:

@@ -11,9 +11,16 @@ runs without DeepSpeed):
   pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
   tamper: resume from checkpoint-3 against another reference: ``reference_changed`` on every rank, before any step.
   disagree / disagree_pre: rank 1 loads one pair fewer: ``ranks_disagree`` on every rank within seconds.
+  replicated: ``std`` resumed from its checkpoint-3 with ``ref_zero_stage=0`` (the reference a stage 0 engine, whole
+      on every rank, the policy still ZeRO-3): the identity check passes, the losses are ``std``'s, and the reference
+      log-probs of a fixed batch equal those of ``std``'s sharded reference.
+  pre_replicated: ``pre`` with ``ref_zero_stage=0`` and an empty cache directory (the pass runs the replicated
+      reference; the cache file has the same key as ``pre``'s).
   pinned / pinned_tamper: policy and reference loaded from a copy of the bundled pinned snapshot (verified on every
-      rank, the reference rebuilt model-only from it); then rank 0 changes the snapshot's weights (metadata rewritten
-      consistently) and the resume from checkpoint-2 is refused with ``reference_changed`` on every rank.
+      rank, the reference rebuilt model-only from it); the same snapshot once more with ``ref_zero_stage=0`` (the
+      policy loaded partitioned, the reference loaded whole, one step); then rank 0 changes the snapshot's weights
+      (metadata rewritten consistently) and the resume from checkpoint-2 is refused with ``reference_changed`` on
+      every rank.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
+from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
@@ -84,6 +92,27 @@ def partitioning(model: torch.nn.Module) -> dict[str, Any]:
     return {"count": len(params), "sliced": sum(sliced), "frozen": sum(not p.requires_grad for p in params)}
 
 
+def reference_logps(trainer: PairDPOTrainer) -> list[float]:
+    """The reference's per-sequence log-probs of the first 4 training pairs, packed in one row (collective)."""
+    batch = PackedPairCollator()([trainer.train_dataset[i] for i in range(4)])
+    return trainer.reference.sequence_logps(batch.to(trainer.args.device)).tolist()
+
+
+def replication(trainer: PairDPOTrainer) -> dict[str, Any]:
+    """What this rank holds of the reference (its engine's stage, ZeRO-3 attributes, elements, frozen-ness) and the
+    policy's full element count."""
+    reference = trainer.reference
+    params = list(reference.model.parameters())
+    return {
+        "zero_stage": reference.zero_stage,
+        "ds_params": sum(hasattr(p, "ds_id") or hasattr(p, "ds_tensor") for p in params),
+        "numel": sum(p.numel() for p in params),
+        "policy_numel": sum(getattr(p, "ds_numel", p.numel()) for p in trainer.model.parameters()),
+        "frozen": sum(not p.requires_grad for p in params),
+        "count": len(params),
+    }
+
+
 def run_std(out_dir: Path) -> dict[str, Any]:
     trainer = build_trainer(out_dir / "std", world_size=2, save_strategy="steps", save_steps=3)
     trainer.train()
@@ -97,7 +126,24 @@ def run_std(out_dir: Path) -> dict[str, Any]:
         "reference_zero_stage": reference.zero_stage,
         "reference_training": reference.model.training,
         "reference_digest": [trainer.reference_identity.param_digest, digest_after],
+        "reference_logps": reference_logps(trainer),
+        "identity": trainer.reference_identity.to_dict(),
         "policy_is_engine": type(trainer.model_wrapped).__name__,
+    }
+
+
+def run_replicated(out_dir: Path, std: dict[str, Any]) -> dict[str, Any]:
+    """``std`` resumed from checkpoint-3 with a replicated (stage 0) reference, checked against ``std``."""
+    trainer = build_trainer(out_dir / "replicated", world_size=2, ref_zero_stage=0)
+    trainer.train(resume_from_checkpoint=str(out_dir / "std" / "checkpoint-3"))
+    return {
+        "losses": losses(trainer, after=3),
+        "params": full_parameters(trainer.model),
+        "policy_partitioning": partitioning(trainer.model),
+        "reference": replication(trainer),
+        "reference_logps": reference_logps(trainer),
+        "sharded_logps": std["reference_logps"],  # this rank's value from the std phase
+        "same_identity": trainer.reference_identity.to_dict() == std["identity"],
     }
 
 
@@ -138,13 +184,17 @@ def main() -> None:
     timed("pre", lambda: _pre(out_dir, cache))
     timed("resume", run_resumed, out_dir, "resume")
     timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    timed("replicated", run_replicated, out_dir, results["std"])
+    replicated_cache = str(out_dir / "cache_replicated")
+    timed("pre_replicated", lambda: _pre(out_dir / "pre_replicated", replicated_cache, ref_zero_stage=0))
     checkpoint = str(out_dir / "std" / "checkpoint-3")
     timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
     short = synthetic_pairs(NUM_PAIRS - rank)
     timed("disagree", run_failing, out_dir, "disagree", pairs=short)
     timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
     timed("pinned", run_pinned, out_dir, rank)
-    per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned")}
+    replicated = {k: v for k, v in results["replicated"].items() if k != "params"}
+    per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned")} | {"replicated": replicated}
     (out_dir / f"errors_rank{rank}.json").write_text(json.dumps(per_rank))
     if rank == 0:
         torch.save(results, out_dir / "results.pt")
@@ -155,7 +205,8 @@ def main() -> None:
 
 
 def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
-    """Pinned snapshot, 2 steps with a checkpoint, then a resume against a changed snapshot (refused)."""
+    """Pinned snapshot, 2 steps with a checkpoint; 1 step with a replicated reference (``ref_zero_stage=0``) loaded
+    whole from the same snapshot; then a resume against a changed snapshot (refused)."""
     import torch.distributed as dist
 
     from pair_dpo_trainer.demo import DEMO_REVISION
@@ -165,7 +216,8 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     if rank == 0:
         _copy_snapshot(out_dir, "snapshot")
     dist.barrier()
-    options = dict(model=str(snapshot), ref_model_revision=DEMO_REVISION, save_strategy="steps", save_steps=2)
+    snapshot_options = dict(model=str(snapshot), ref_model_revision=DEMO_REVISION)
+    options = dict(snapshot_options, save_strategy="steps", save_steps=2)
     trainer = build_trainer(out_dir / "pinned", world_size=2, max_steps=2, **options)
     loaded_partitioned = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
     trainer.train()
@@ -174,6 +226,18 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
         "loaded_partitioned": loaded_partitioned,
         "reference_partitioning": partitioning(trainer.reference.model),
         "identity_pinned": trainer.reference_identity.pinned,
+    }
+    sharded_logps = reference_logps(trainer)
+    replicated = dict(snapshot_options, max_steps=1, ref_zero_stage=0)
+    trainer = build_trainer(out_dir / "pinned_replicated", world_size=2, **replicated)
+    loaded_partitioned = all(hasattr(p, "ds_id") for p in trainer.model.parameters())
+    trainer.train()
+    result["replicated"] = {
+        "losses": losses(trainer),
+        "loaded_partitioned": loaded_partitioned,
+        "reference": replication(trainer),
+        "reference_logps": reference_logps(trainer),
+        "sharded_logps": sharded_logps,
     }
     if rank == 0:
         _reweight(snapshot, scale=1.5)
@@ -189,8 +253,8 @@ def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:
     return trainer
 
 
-def _pre(out_dir: Path, cache: str) -> dict[str, Any]:
-    trainer = _trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+def _pre(out_dir: Path, cache: str, **kwargs: Any) -> dict[str, Any]:
+    trainer = _trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache, **kwargs)
     return {
         "losses": losses(trainer),
         "builds": trainer.reference_manager.builds,

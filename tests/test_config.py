@@ -37,6 +37,10 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"max_prompt_length": 2048, "max_length": 1024}, "bad_length"),
         ({"attn_backend": "xformers"}, "bad_attn_backend"),
         ({"nll_weight": -1.0}, "bad_nll_weight"),
+        ({"ref_zero_stage": 1}, "bad_ref_zero_stage"),
+        ({"ref_zero_stage": 2}, "bad_ref_zero_stage"),
+        ({"ref_zero_stage": True}, "bad_ref_zero_stage"),
+        ({"ref_zero_stage": 0, "ref_offload_params": True}, "unsupported_combination"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
@@ -60,3 +64,11 @@ def test_all_problems_are_reported_at_once(tmp_path):
 def test_config_is_a_value_error_for_argument_parsers(tmp_path):
     with pytest.raises(ValueError):
         _config(tmp_path, beta=0)
+
+
+@pytest.mark.parametrize("stage", [None, 0, 3])
+def test_ref_zero_stage_accepts_none_0_and_3(tmp_path, stage):
+    assert _config(tmp_path, ref_zero_stage=stage).ref_zero_stage == stage
+    assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=False).ref_offload_params is False
+    if stage != 0:
+        assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=True).ref_offload_params is True

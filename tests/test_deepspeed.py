@@ -174,3 +174,41 @@ def test_pinned_snapshot_under_zero3_is_verified_and_a_changed_one_is_refused_on
         assert reference["sliced"] == reference["frozen"] == reference["count"] > 0
         assert pinned["tamper"]["reason_code"] == "reference_changed", (rank, pinned["tamper"])
         assert "manifest" in pinned["tamper"]["message"]
+
+
+def _assert_replicated(result: dict, rank: int) -> None:
+    """A stage 0 reference engine whose parameters are whole (no ZeRO-3 attributes) and frozen on this rank."""
+    reference = result["reference"]
+    assert reference["zero_stage"] == 0, (rank, reference)
+    assert reference["ds_params"] == 0 and reference["frozen"] == reference["count"] > 0, (rank, reference)
+    assert reference["numel"] == reference["policy_numel"] > 0, (rank, reference)  # whole, not a slice
+    assert len(result["reference_logps"]) == 8  # 4 pairs: chosen and rejected
+    assert result["reference_logps"] == pytest.approx(result["sharded_logps"], abs=1e-6), rank
+
+
+def test_replicated_reference_under_a_zero3_policy_equals_the_sharded_one_and_resumes_its_run(zero3):
+    results, errors = zero3
+    replicated, std = results["replicated"], results["std"]
+    assert replicated["policy_partitioning"]["sliced"] == replicated["policy_partitioning"]["count"] > 0
+    for rank, result in enumerate(errors):
+        _assert_replicated(result["replicated"], rank)
+        assert result["replicated"]["same_identity"] is True, rank  # parameter and probe digests as when sharded
+    assert replicated["losses"] == pytest.approx(std["losses"][3:], abs=1e-6)  # resumed across reference layouts
+    assert _max_diff(replicated["params"], std["params"]) <= 1e-6
+
+
+def test_replicated_reference_is_loaded_whole_from_the_snapshot_while_the_policy_is_partitioned(zero3):
+    _, errors = zero3
+    for rank, result in enumerate(errors):
+        replicated = result["pinned"]["replicated"]
+        assert replicated["loaded_partitioned"] is True, rank  # the policy under the run's zero.Init
+        _assert_replicated(replicated, rank)
+        assert replicated["losses"][0] == pytest.approx(math.log(2), abs=1e-6), rank
+
+
+def test_precompute_with_a_replicated_reference_matches_and_shares_the_sharded_cache_key(zero3):
+    results, _ = zero3
+    pre, pre_replicated = results["pre"], results["pre_replicated"]
+    assert pre_replicated["builds"] == 1 and pre_replicated["backend"] == "PrecomputedReference"
+    assert pre_replicated["cache_files"] == pre["cache_files"]  # the key does not depend on the reference's layout
+    assert pre_replicated["losses"] == pytest.approx(results["std"]["losses"], abs=1e-6)

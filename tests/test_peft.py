@@ -102,3 +102,20 @@ def test_explicit_reference_directory_wins_over_the_adapter_reference(tmp_path):
     base.save_pretrained(tmp_path / "ref")
     trainer = _trainer(tmp_path, _lora(base), synthetic_pairs(16), ref_model_name_or_path=str(tmp_path / "ref"))
     assert isinstance(trainer.reference, FrozenReference)
+
+
+@pytest.mark.parametrize("option", [{"ref_zero_stage": 0}, {"ref_offload_params": True}])
+def test_reference_engine_options_are_refused_for_an_adapter_disabled_reference(tmp_path, option):
+    """Under DeepSpeed these options would be silently ignored for a PEFT policy's reference: refuse them."""
+    from types import SimpleNamespace
+
+    from pair_dpo_trainer.errors import ConfigError
+    from pair_dpo_trainer.reference.build import build_reference
+
+    options = {"ref_zero_stage": None, "ref_offload_params": None, **option}
+    args = SimpleNamespace(reference_free=False, ref_model_name_or_path=None, **options)
+    with pytest.raises(ConfigError) as info:
+        build_reference(
+            args, _lora(tiny_llama()), source=None, ref_model=None, deepspeed_config={"train_batch_size": 1}
+        )
+    assert info.value.reason_code == "unsupported_combination" and next(iter(option)) in str(info.value)

@@ -169,6 +169,10 @@ def test_precompute_with_reference_free_and_offload_without_deepspeed_are_refuse
     with pytest.raises(ConfigError) as info:
         _trainer(tmp_path, ref_offload_params=True)
     assert info.value.reason_code == "unsupported_combination" and "DeepSpeed" in str(info.value)
+    for stage in (0, 3):
+        with pytest.raises(ConfigError) as info:
+            _trainer(tmp_path, ref_zero_stage=stage)
+        assert info.value.reason_code == "unsupported_combination" and "ref_zero_stage" in str(info.value)
 
 
 def test_parameter_digest_accepts_loaders_called_in_sorted_order():
@@ -232,6 +236,60 @@ def test_reference_ds_config_replicates_without_zero3_and_names_bad_options():
     with pytest.raises(ConfigError) as info:
         reference_ds_config(TRAIN_DS_CONFIG, hidden_size=None, offload_params=None)
     assert info.value.reason_code == "bad_deepspeed_config"
+
+
+def test_reference_ds_config_zero_stage_replicates_or_shards_the_reference():
+    for stage in (None, 3):  # a ZeRO-3 policy: sharded by default
+        assert reference_ds_config(TRAIN_DS_CONFIG, hidden_size=8, offload_params=None, zero_stage=stage) == (
+            reference_ds_config(TRAIN_DS_CONFIG, hidden_size=8, offload_params=None)
+        )
+    replicated = reference_ds_config(TRAIN_DS_CONFIG, hidden_size=None, offload_params=False, zero_stage=0)
+    assert replicated["zero_optimization"] == {"stage": 0}  # no hidden size needed, no offload
+    assert replicated["bf16"] == {"enabled": True} and "optimizer" not in replicated and "scheduler" not in replicated
+    stage2 = dict(TRAIN_DS_CONFIG, zero_optimization={"stage": 2})
+    assert reference_ds_config(stage2, hidden_size=8, offload_params=None, zero_stage=0)["zero_optimization"] == {
+        "stage": 0
+    }
+    for config, stage, offload, option in (
+        (stage2, 3, None, "ref_zero_stage=3"),  # nothing to shard like
+        (TRAIN_DS_CONFIG, 0, True, "ref_offload_params=True"),  # offloading needs a sharded reference
+    ):
+        with pytest.raises(ConfigError) as info:
+            reference_ds_config(config, hidden_size=8, offload_params=offload, zero_stage=stage)
+        assert info.value.reason_code == "unsupported_combination" and option in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        reference_ds_config(TRAIN_DS_CONFIG, hidden_size=8, offload_params=None, zero_stage=2)
+    assert info.value.reason_code == "bad_ref_zero_stage"
+
+
+def test_reference_zero_init_loads_a_replicated_reference_whole_in_a_zero3_run():
+    pytest.importorskip("deepspeed")
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    from pair_dpo_trainer.reference.engine import reference_zero_init
+
+    run = hf_deepspeed.HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
+    try:
+        replicated = reference_ds_config(run.config, hidden_size=8, offload_params=None, zero_stage=0)
+        with reference_zero_init(replicated):  # from_pretrained sees no ZeRO-3 run: no zero.Init (tests/ds_worker.py)
+            assert not hf_deepspeed.is_deepspeed_zero3_enabled() and hf_deepspeed.deepspeed_config() is None
+        assert hf_deepspeed.is_deepspeed_zero3_enabled() and hf_deepspeed.deepspeed_config() is run.config
+        with pytest.raises(RuntimeError), reference_zero_init(replicated):
+            raise RuntimeError("a failed load")
+        assert hf_deepspeed.deepspeed_config() is run.config  # restored on errors too
+    finally:
+        hf_deepspeed.unset_hf_deepspeed_config()
+
+
+def test_a_partitioned_model_is_refused_by_a_replicated_reference_engine():
+    pytest.importorskip("deepspeed")
+    from pair_dpo_trainer.reference.engine import build_deepspeed_reference
+
+    model = tiny_llama(0)
+    next(model.parameters()).ds_id = 0  # as deepspeed.zero.Init marks a partitioned parameter
+    with pytest.raises(ConfigError) as info:
+        build_deepspeed_reference(model, config={"zero_optimization": {"stage": 0}}, chunk_size=64)
+    assert info.value.reason_code == "unsupported_combination" and "ref_zero_stage=0" in str(info.value)
 
 
 def test_reference_zero_init_swaps_the_global_deepspeed_config_only_inside():

@@ -7,6 +7,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
+from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
 from pair_dpo_trainer.reference.source import ReferenceSource
@@ -42,6 +43,12 @@ def build_reference(
     from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
 
     if ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy):
+        if args.ref_zero_stage is not None or args.ref_offload_params:
+            raise ConfigError(
+                "unsupported_combination",
+                "the reference of a PEFT policy is the policy itself with its adapters disabled, so ref_zero_stage and "
+                "ref_offload_params do not apply: unset them, or set ref_model_name_or_path for a separate reference.",
+            )
         return AdapterDisabledReference(policy, chunk_size=args.logps_chunk_size)  # the base model, no second copy
     if deepspeed_config is not None:
         return _deepspeed_reference(args, policy, source=source, ref_model=ref_model, deepspeed_config=deepspeed_config)
@@ -59,7 +66,8 @@ def _deepspeed_reference(
     ref_model: PreTrainedModel | None,
     deepspeed_config: Mapping[str, Any],
 ) -> Reference:
-    """The reference as its own inference-only DeepSpeed engine, loaded under its own ``zero.Init`` configuration.
+    """The reference as its own inference-only DeepSpeed engine, loaded under its own ``zero.Init`` configuration
+    (sharded, ZeRO stage 3) or whole (replicated, stage 0: ``ref_zero_stage=0`` or a policy that is not ZeRO-3).
 
     The hidden-size dependent tuning values come from the reference's config (the policy's for a reference loaded
     from a directory, which shares the policy's architecture).
@@ -75,6 +83,7 @@ def _deepspeed_reference(
         deepspeed_config,
         hidden_size=hidden_size_of((ref_model if ref_model is not None else policy).config),
         offload_params=args.ref_offload_params,
+        zero_stage=args.ref_zero_stage,
     )
     if ref_model is None:
         with reference_zero_init(config):

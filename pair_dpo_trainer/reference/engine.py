@@ -10,7 +10,9 @@ configuration (the one the Trainer uses for the policy), changed as follows:
   partitions), ``offload_optimizer`` removed, and ``offload_param`` set from ``PairDPOConfig.ref_offload_params``
   (True: CPU memory, False: on the accelerator, None: the policy's own ``offload_param``). Any other stage -> stage
   0: the reference is replicated on every rank (it has no gradients or optimizer state to shard, and stages 1/2
-  shard only those).
+  shard only those). ``PairDPOConfig.ref_zero_stage=0`` makes a ZeRO-3 run's reference stage 0 too (replicated:
+  its forward gathers no parameters, at the cost of a whole copy of its weights in the compute dtype on every
+  rank); ``ref_zero_stage=3`` insists on a sharded reference and needs a ZeRO-3 policy.
 - The three hidden-size dependent ZeRO-3 tuning values follow the Trainer's and TRL's ``prepare_deepspeed`` rule,
   from the reference's ``hidden_size`` ``h``, unless the configuration sets a number (not ``"auto"``):
   ``reduce_bucket_size = h*h``, ``stage3_prefetch_bucket_size = int(0.9*h*h)`` (prefetch about one layer's
@@ -22,7 +24,8 @@ configuration (the one the Trainer uses for the policy), changed as follows:
   Tests set ``stage3_param_persistence_threshold: 0`` so that a tiny model is really partitioned.
 - Loading: once a ZeRO-3 Trainer exists, transformers' ``from_pretrained`` partitions every model at load time
   (``deepspeed.zero.Init``) with the run's configuration; :func:`reference_zero_init` makes it use the reference's
-  configuration instead, so its partitions are created where its engine keeps them (``offload_param``).
+  configuration instead, so its partitions are created where its engine keeps them (``offload_param``), or, for a
+  stage 0 reference in a ZeRO-3 run, loads it whole (no ``zero.Init`` at all).
 
 The parameter digest of the reference identity never needs the whole model on one device: ZeRO-3 parameters are
 gathered one at a time with ``deepspeed.zero.GatheredParameters`` (a collective: every rank gathers the same
@@ -67,8 +70,47 @@ def hidden_size_of(config: Any) -> int | None:
     return None
 
 
+def reference_zero_stage(
+    train_config: Mapping[str, Any], *, zero_stage: int | None, offload_params: bool | None
+) -> int:
+    """The reference engine's ZeRO stage (3: sharded, 0: replicated) for the run's DeepSpeed configuration.
+
+    Args:
+        train_config: The run's DeepSpeed configuration.
+        zero_stage: ``PairDPOConfig.ref_zero_stage``: None follows the policy (3 under ZeRO-3, else 0); 0 replicates
+            the reference even under a ZeRO-3 policy; 3 shards it (needs a ZeRO-3 policy).
+        offload_params: ``PairDPOConfig.ref_offload_params`` (offloading needs a sharded reference).
+
+    Raises:
+        ConfigError: ``bad_ref_zero_stage`` for a stage other than None, 0 or 3; ``unsupported_combination`` for
+            ``ref_zero_stage=3`` without a ZeRO-3 policy, or ``ref_offload_params=True`` with a stage 0 reference.
+    """
+    if zero_stage not in (None, 0, 3) or isinstance(zero_stage, bool):
+        raise ConfigError("bad_ref_zero_stage", f"ref_zero_stage={zero_stage!r}: use None (follow the policy), 0 or 3.")
+    policy_stage = (train_config.get("zero_optimization") or {}).get("stage", 0)
+    if policy_stage != 3 and zero_stage == 3:
+        raise ConfigError(
+            "unsupported_combination",
+            f"ref_zero_stage=3 shards the reference like a ZeRO-3 policy, but the run uses ZeRO stage {policy_stage}: "
+            "leave ref_zero_stage unset (or 0) to replicate the reference, or train with ZeRO stage 3.",
+        )
+    stage = 3 if policy_stage == 3 and zero_stage != 0 else 0
+    if stage == 0 and offload_params:
+        reason = "ref_zero_stage=0 replicates it" if policy_stage == 3 else f"the run uses ZeRO stage {policy_stage}"
+        raise ConfigError(
+            "unsupported_combination",
+            f"ref_offload_params=True offloads a ZeRO-3 sharded reference, but {reason}: set ref_offload_params=False "
+            "(or leave it unset), or shard the reference (ZeRO stage 3 with ref_zero_stage unset or 3).",
+        )
+    return stage
+
+
 def reference_ds_config(
-    train_config: Mapping[str, Any], *, hidden_size: int | None, offload_params: bool | None
+    train_config: Mapping[str, Any],
+    *,
+    hidden_size: int | None,
+    offload_params: bool | None,
+    zero_stage: int | None = None,
 ) -> dict[str, Any]:
     """The DeepSpeed configuration of the reference engine, derived from the run's (see the module docstring).
 
@@ -76,22 +118,20 @@ def reference_ds_config(
         train_config: The run's DeepSpeed configuration (not modified).
         hidden_size: The reference's hidden size, for the ``"auto"`` ZeRO-3 tuning values.
         offload_params: ``PairDPOConfig.ref_offload_params``.
+        zero_stage: ``PairDPOConfig.ref_zero_stage``: None follows the policy (3 under ZeRO-3, else 0); 0 replicates
+            the reference even under a ZeRO-3 policy; 3 shards it (needs a ZeRO-3 policy).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without ZeRO-3;
-            ``bad_deepspeed_config`` when an ``"auto"`` tuning value needs a hidden size the model does not have.
+        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` with a stage 0 reference (no ZeRO-3
+            policy, or ``ref_zero_stage=0``), or ``ref_zero_stage=3`` without a ZeRO-3 policy; ``bad_ref_zero_stage``
+            for a stage other than None, 0 or 3; ``bad_deepspeed_config`` when an ``"auto"`` tuning value needs a
+            hidden size the model does not have.
     """
     config = copy.deepcopy(dict(train_config))
     for key in ("optimizer", "scheduler"):
         config.pop(key, None)
     zero = dict(config.get("zero_optimization") or {})
-    if zero.get("stage", 0) != 3:
-        if offload_params:
-            raise ConfigError(
-                "unsupported_combination",
-                f"ref_offload_params=True needs DeepSpeed ZeRO stage 3 (the run uses stage {zero.get('stage', 0)}): "
-                "set zero_stage 3 or ref_offload_params=False.",
-            )
+    if reference_zero_stage(train_config, zero_stage=zero_stage, offload_params=offload_params) == 0:
         config["zero_optimization"] = {"stage": 0}
         return config
     zero.pop("offload_optimizer", None)
@@ -175,15 +215,20 @@ def reference_zero_init(config: Mapping[str, Any]) -> Iterator[None]:
     Once a ZeRO-3 Trainer exists, transformers loads every model under ``deepspeed.zero.Init`` with the run's
     (policy's) configuration, found through a module-level weak reference. Inside this context that reference points
     to ``config`` instead, so the partitions are created where the reference engine keeps them (``offload_param``);
-    the previous configuration is restored on exit. Outside a ZeRO-3 run this does nothing.
+    for a stage 0 reference (``ref_zero_stage=0``) it is cleared, so the reference is loaded whole. The previous
+    configuration is restored on exit. Outside a ZeRO-3 run this does nothing.
     """
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    if not hf_deepspeed.is_deepspeed_zero3_enabled() or config["zero_optimization"].get("stage") != 3:
+    if not hf_deepspeed.is_deepspeed_zero3_enabled():
         yield
         return
     previous = hf_deepspeed._hf_deepspeed_config_weak_ref
-    holder = hf_deepspeed.HfDeepSpeedConfig(dict(config))  # registers itself as the module's weak reference
+    holder = None
+    if config["zero_optimization"].get("stage") == 3:
+        holder = hf_deepspeed.HfDeepSpeedConfig(dict(config))  # registers itself as the module's weak reference
+    else:
+        hf_deepspeed.unset_hf_deepspeed_config()  # no zero.Init: a replicated reference is loaded whole
     try:
         yield
     finally:
@@ -197,12 +242,23 @@ def build_deepspeed_reference(
     """Wraps a loaded reference model (packed attention configured) in its own inference-only engine.
 
     Args:
-        model: The reference model, whole on the CPU or already ZeRO-3 partitioned at load time (``zero.Init``).
+        model: The reference model, whole on the CPU or already ZeRO-3 partitioned at load time (``zero.Init``;
+            only for a stage 3 ``config``).
         config: The reference's DeepSpeed configuration (:func:`reference_ds_config`).
         chunk_size: Tokens per chunk of the log-prob computation.
+
+    Raises:
+        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned model with a stage 0 configuration.
     """
     import deepspeed
 
+    if config["zero_optimization"].get("stage") != 3 and any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ConfigError(
+            "unsupported_combination",
+            "the reference model is already ZeRO-3 partitioned (loaded under deepspeed.zero.Init), but its engine "
+            "replicates it (ref_zero_stage=0): pass the reference as a directory (ref_model_name_or_path) instead of "
+            "a ref_model object, or leave ref_zero_stage unset to shard it like the policy.",
+        )
     model = model.eval().requires_grad_(False)
     engine, *_ = deepspeed.initialize(model=model, config=dict(config))
     engine.eval()

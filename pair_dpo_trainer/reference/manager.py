@@ -29,7 +29,7 @@ import torch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest
 from pair_dpo_trainer.reference.build import build_reference
-from pair_dpo_trainer.reference.engine import gathered_named_parameters
+from pair_dpo_trainer.reference.engine import gathered_named_parameters, reference_zero_stage
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
 from pair_dpo_trainer.reference.precompute import (
     CacheEntry,
@@ -62,7 +62,9 @@ class ReferenceManager:
         builds: How many times a reference model was built (0 after a precompute cache hit).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without DeepSpeed.
+        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` or a ``ref_zero_stage`` without
+            DeepSpeed, and the DeepSpeed combinations :func:`~pair_dpo_trainer.reference.engine.reference_zero_stage`
+            refuses (``ref_zero_stage=3`` without ZeRO-3, ``ref_offload_params=True`` with a replicated reference).
     """
 
     def __init__(
@@ -80,6 +82,16 @@ class ReferenceManager:
                 "unsupported_combination",
                 "ref_offload_params=True offloads the parameters of a DeepSpeed ZeRO-3 reference engine, but this run "
                 "does not use DeepSpeed: launch with a ZeRO-3 config, or leave ref_offload_params unset.",
+            )
+        if args.ref_zero_stage is not None and deepspeed_config is None:
+            raise ConfigError(
+                "unsupported_combination",
+                f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
+                "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
+            )
+        if deepspeed_config is not None and not args.reference_free:  # fail now, not when the engine is built
+            reference_zero_stage(
+                deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
             )
         self.args = args
         self.source = source
