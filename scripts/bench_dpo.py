@@ -18,15 +18,32 @@ two scripts are directly comparable (see ``docs/bench_dpo_howto.md`` for the GPU
   non-embedding = all parameters minus the input embedding, the LM head counted), ``mfu_allparams_989`` the same
   ``k`` with all parameters. Attention FLOPs are excluded everywhere.
 
-Each rank prints ``RESULT {json}`` (and ``CEILING {json}`` with ``--ceiling``) and appends it to
+Ceilings (raw loops after training, same process, same model and reference, optimizer state dropped; policy
+``packed_sequence_logps`` forward + backward plus the reference's no-grad forward under bf16 autocast, CUDA sync
+around each step, the first ``--warmup`` steps untimed; NO optimizer step, no Trainer, no data loading):
+
+* ``--ceiling``: each step's pairs (this rank's schedule) as ONE packed row (``impl`` ``pair_dpo_ceiling``);
+* ``--ceiling-shape DOCSxLEN``: the issue's packed ceiling, DOCS random documents of exactly LEN tokens in one row
+  (``cu_seqlens`` every LEN tokens, every non-first token scored), DOCS x LEN real tokens per step (``impl``
+  ``pair_dpo_ceiling_shape``, tag ``<tag>_ceilingDOCSxLEN``).
+
+``--compile`` sets ``torch_compile=True`` (the trainer compiles the policy's and the reference's decoder layers in
+``train()``; the graphs are built in the first, untimed, step) and the ceiling loops compile the same layers with
+``compile_decoder_layers`` before their warmup steps (a no-op when the trainer already did). Every row carries
+``compile`` / ``compile_backend`` / ``compile_mode``, and with ``--compile`` ``dynamo_graphs_warmup`` /
+``dynamo_graphs_timed`` (graphs built during the untimed / timed steps: 0 timed expected, else a WARNING).
+
+Each rank prints ``RESULT {json}`` (and ``CEILING {json}`` per ceiling) and appends it to
 ``$OUT/results.jsonl`` when ``OUT`` is set (or to ``--results``).
 
 Examples:
-    python scripts/bench_dpo.py --tag ours --ceiling
+    python scripts/bench_dpo.py --tag ours --ceiling --ceiling-shape 16x1024
+    python scripts/bench_dpo.py --tag ours_compile --compile --ceiling --ceiling-shape 16x1024
     python scripts/bench_dpo.py --tag ours_prof --profile          # writes $OUT/profile_summary.txt
     python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --max-tokens-microbatch 16384
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 scripts/bench_dpo.py --tag z3
     python scripts/bench_dpo.py --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
+    python scripts/bench_dpo.py --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
 """
 
 from __future__ import annotations
@@ -37,6 +54,7 @@ import dataclasses
 import gc
 import math
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -51,6 +69,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.logprobs import packed_sequence_logps
+from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.trainer import PairDPOTrainer
 
@@ -75,6 +94,22 @@ MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064}
 
 
 # --------------------------------------------------------------------------------------------------- arguments
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"16x1024"`` -> ``(16, 1024)``: an even number of documents (they are packed as pairs) of >= 2 tokens.
+
+    Example:
+        >>> parse_shape("16x1024")
+        (16, 1024)
+    """
+    match = re.fullmatch(r"(\d+)[xX](\d+)", text.strip())
+    if not match:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected DOCSxLEN, e.g. 16x1024")
+    docs, length = int(match.group(1)), int(match.group(2))
+    if docs < 2 or docs % 2 or length < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: DOCS must be even and >= 2, LEN >= 2")
+    return docs, length
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (``--tiny`` changes the defaults left unset to a CPU smoke test)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -102,8 +137,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="explicit",
         help="explicit: pass ref_model=<in-memory copy>; trainer: let PairDPOTrainer build the reference itself",
     )
+    p.add_argument(
+        "--ref-zero-stage",
+        type=int,
+        choices=(0, 3),
+        help="PairDPOConfig.ref_zero_stage under DeepSpeed (0: replicated reference engine, 3: sharded; default: "
+        "follow the policy), when this version of the package has the field",
+    )
     p.add_argument("--logps-chunk-size", type=int, default=4096)
     p.add_argument("--ceiling", action="store_true", help="also time the raw packed fwd+bwd (+ref fwd) loop")
+    p.add_argument(
+        "--ceiling-shape",
+        metavar="DOCSxLEN",
+        type=parse_shape,
+        help="also time the raw loop on DOCS random documents of exactly LEN tokens in one packed row (16x1024)",
+    )
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch_compile=True: regional torch.compile of the policy's and reference's decoder layers (the "
+        "ceiling loops compile them too); the compile happens in the untimed warmup steps",
+    )
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile (inductor)")
+    p.add_argument("--compile-mode", help="torch.compile mode with --compile (default; max-autotune-no-cudagraphs)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the last warmup step")
     p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -119,6 +175,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, value)
     if args.tiny:
         args.model_size = "tiny"
+    if args.compile_mode is not None and not args.compile:
+        p.error("--compile-mode needs --compile")
     if args.results is None and os.environ.get("OUT"):
         args.results = os.path.join(os.environ["OUT"], "results.jsonl")
     return args
@@ -232,9 +290,17 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         reference_free=args.reference == "free",
         logps_chunk_size=args.logps_chunk_size,
     )
+    if args.compile:  # the trainer compiles the decoder layers at the start of train() (modeling/compile.py)
+        kwargs.update(torch_compile=True, torch_compile_backend=args.compile_backend)
+        if args.compile_mode is not None:
+            kwargs["torch_compile_mode"] = args.compile_mode
     fields = {f.name for f in dataclasses.fields(PairDPOConfig)}
     if "allow_unpinned_reference" in fields and args.reference != "free":
         kwargs["allow_unpinned_reference"] = True  # an in-memory random-init reference has no pinned snapshot
+    if args.ref_zero_stage is not None:
+        if "ref_zero_stage" not in fields:
+            raise SystemExit("--ref-zero-stage needs PairDPOConfig.ref_zero_stage (not in this version)")
+        kwargs["ref_zero_stage"] = args.ref_zero_stage
     if args.reference == "precomputed":
         if "precompute_ref_logps" not in fields:
             raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
@@ -243,11 +309,22 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
 
 
 # --------------------------------------------------------------------------------------------------- timing
-class Probe:
-    """State shared by the step callback and the trainer: step times, tokens per micro-batch, the profiler."""
+def dynamo_graphs() -> int:
+    """Graphs ``torch.compile`` has produced in this process so far (recompiles included)."""
+    from torch._dynamo.utils import counters
 
-    def __init__(self, cuda: bool, profile_step: int | None) -> None:
+    return int(counters["stats"]["unique_graphs"])
+
+
+class Probe:
+    """State shared by the step callback and the trainer: step times, tokens per micro-batch, the profiler, and
+    (with ``count_graphs``) the ``torch.compile`` graph count at every step end."""
+
+    def __init__(self, cuda: bool, profile_step: int | None, count_graphs: bool = False) -> None:
         self.cuda = cuda
+        self.count_graphs = count_graphs
+        self.graphs0 = dynamo_graphs() if count_graphs else 0
+        self.graphs: list[int] = []  # graph count at each on_step_end
         self.begins: list[float] = []
         self.ends: list[float] = []
         self.tokens: list[tuple[int, int, int]] = []  # (step, real tokens, row length T) per micro-batch
@@ -314,6 +391,8 @@ class StepClock(TrainerCallback):
         if self.probe.profiling:
             self.probe.stop_profiler()  # trace processing happens here, before this step's end time is taken
         self.probe.ends.append(time.perf_counter())
+        if self.probe.count_graphs:
+            self.probe.graphs.append(dynamo_graphs())  # a host counter read: no device access
 
 
 class BenchTrainer(PairDPOTrainer):
@@ -328,6 +407,16 @@ class BenchTrainer(PairDPOTrainer):
         self.probe.open_region("bench::microbatch")
         try:
             return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self.probe.close_region()
+
+    def _clip_grad_norm(self, *args, **kwargs):
+        """HF's gradient clipping (transformers >= 5.x calls it per step, when present), marked
+        ``hf::clip_grad_norm`` in a profiled step (not a ``bench::`` region, so the sync table still attributes its
+        events to ``bench::step``)."""
+        self.probe.open_region("hf::clip_grad_norm")
+        try:
+            return super()._clip_grad_norm(*args, **kwargs)
         finally:
             self.probe.close_region()
 
@@ -380,19 +469,24 @@ def timed_tokens(probe: Probe, warmup: int) -> tuple[list[float], list[tuple[int
     return dts, log
 
 
-def row_head(ctx: dict[str, Any], trainer: BenchTrainer, impl: str, tok_s: float) -> dict[str, Any]:
-    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention), tok/s and MFU."""
+def row_head(
+    ctx: dict[str, Any], trainer: BenchTrainer, impl: str, tok_s: float, tag: str | None = None
+) -> dict[str, Any]:
+    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention, compile), tok/s and MFU."""
     args = ctx["args"]
     n_all, n_noembed = ctx["params"]
     factor = 8 if args.reference == "online" else 6  # 6N policy fwd+bwd, plus 2N for an online reference forward
     return {
-        "tag": args.tag,
+        "tag": tag or args.tag,
         "impl": impl,
         "rank": ctx["rank"],
         "world": ctx["world"],
         "model_size": args.model_size,
         "reference": args.reference,
         "attn": f"pair_varlen:{trainer.attn_backend}",
+        "compile": bool(args.compile),
+        "compile_backend": args.compile_backend if args.compile else None,
+        "compile_mode": args.compile_mode,
         "real_tok_s_gpu": round(tok_s, 1),
         **mfu_fields(tok_s, n_all, n_noembed, factor),
     }
@@ -415,6 +509,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "micro_batch_pairs": ctx["bs"],
         "grad_accum": args.ga,
         "reference_backend": type(trainer.reference).__name__,
+        "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
         **step_stats(dts),
         "inner_step_median_s": round(statistics.median(inner), 4),
         "real_tokens_per_step": round(real / steps, 1),
@@ -432,7 +527,17 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "step_s": [round(d, 3) for d in dts],
         "seq_len": [x[2] for x in log],
         "warmup_step_s": [round(probe.ends[i] - probe.ends[i - 1], 3) for i in range(1, args.warmup)],
+        "first_step_s": round(probe.ends[0] - probe.begins[0], 3) if probe.ends else None,
+        **(graph_fields(probe.graphs0, probe.graphs, len(probe.ends) - steps) if probe.count_graphs else {}),
+        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
     }
+
+
+def graph_fields(graphs0: int, graphs: list[int], untimed: int) -> dict[str, int]:
+    """``torch.compile`` graphs made during the untimed first steps and during the timed steps (0 expected: a
+    compile inside a timed step would be counted in its step time). ``graphs[i]`` is the count after step ``i``."""
+    before = graphs[untimed - 1] if untimed > 0 else graphs0
+    return {"dynamo_graphs_warmup": before - graphs0, "dynamo_graphs_timed": graphs[-1] - before}
 
 
 # --------------------------------------------------------------------------------------------------- ceiling
@@ -468,17 +573,58 @@ def _free_training_state(trainer: BenchTrainer) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
-    """Raw loop, same model and same real tokens per step in ONE packed row: policy ``packed_sequence_logps``
-    forward + backward and the reference's no-grad forward; no Trainer, no optimizer, no data loading."""
+def shape_batches(trainer: BenchTrainer, docs: int, length: int, steps: int, seed: int) -> list[Any]:
+    """Per step: ``docs`` random documents of exactly ``length`` tokens packed into ONE row on the device.
+
+    Built with the trainer's own collator as ``docs / 2`` pairs of a 1-token prompt and two ``length - 1``-token
+    completions, so ``cu_seqlens`` is ``0, length, 2 length, ...`` and every token after a document's first is
+    scored (``length - 1`` log-probs per document). Ids are drawn from ``[3, VOCAB)`` like the workload's.
+
+    Example:
+        One row of 2 x 16 tokens: ``cu_seqlens == [0, 16, 32]``, 30 scored tokens.
+    """
+    rng = np.random.default_rng(seed + 7919)
+    batches = []
+    for _ in range(steps):
+        pairs = [
+            {
+                "prompt_input_ids": rng.integers(3, VOCAB, 1).tolist(),
+                "chosen_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
+                "rejected_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
+            }
+            for _ in range(docs // 2)
+        ]
+        batches.append(trainer.data_collator(pairs).to(trainer.args.device))
+    return batches
+
+
+def compile_for_ceiling(args: argparse.Namespace, trainer: BenchTrainer) -> int:
+    """With ``--compile``: compiles the policy's and the reference's decoder layers in place with the trainer's
+    options (``compile_decoder_layers``; idempotent, so layers the trainer compiled in ``train()`` stay as they
+    are); returns the number of layers compiled now. The graphs themselves are built in the first warmup step."""
+    if not args.compile:
+        return 0
+    options = {"backend": args.compile_backend, "mode": args.compile_mode}
+    compiled = compile_decoder_layers(trainer.model, **options)
+    reference_model = getattr(trainer.reference, "model", None) if args.reference == "online" else None
+    if isinstance(reference_model, torch.nn.Module):
+        compiled += compile_decoder_layers(reference_model, **options)
+    return compiled
+
+
+def raw_loop(ctx: dict[str, Any], trainer: BenchTrainer, batches: list[Any]) -> tuple[list[float], dict[str, Any]]:
+    """Times each batch: policy ``packed_sequence_logps`` forward + backward and the reference's no-grad forward
+    under bf16 autocast, CUDA sync around each step; no Trainer, NO optimizer step, no data loading. The first
+    ``--warmup`` steps (where ``--compile`` builds its graphs) are untimed. Returns the timed step times and the
+    compile fields of the row."""
     args, probe = ctx["args"], Probe(ctx["cuda"], None)
-    total = args.warmup + args.steps
-    batches = _step_batches(trainer, total)
     _free_training_state(trainer)
+    compiled_now = compile_for_ceiling(args, trainer)
+    graphs0 = dynamo_graphs() if args.compile else 0
     model, chunk = trainer.model, trainer.args.logps_chunk_size
     model.train()
     autocast = torch.autocast(trainer.args.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
-    dts = []
+    dts, graphs = [], []
     for batch in batches:
         probe.sync()
         start = time.perf_counter()
@@ -490,7 +636,21 @@ def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
         model.zero_grad(set_to_none=True)
         probe.sync()
         dts.append(time.perf_counter() - start)
-    timed, rows = dts[args.warmup :], batches[args.warmup :]
+        if args.compile:
+            graphs.append(dynamo_graphs())
+    extra: dict[str, Any] = {"first_step_s": round(dts[0], 3) if dts else None}
+    if args.compile:
+        extra.update(graph_fields(graphs0, graphs, args.warmup), layers_compiled_here=compiled_now)
+    return dts[args.warmup :], extra
+
+
+def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
+    """Raw loop (:func:`raw_loop`), same model and same real tokens per step in ONE packed row: all pairs this rank's
+    schedule gives each step, concatenated; policy forward + backward and the reference's no-grad forward."""
+    args = ctx["args"]
+    batches = _step_batches(trainer, args.warmup + args.steps)
+    timed, extra = raw_loop(ctx, trainer, batches)
+    rows = batches[args.warmup :]
     real = sum(int(b.num_tokens) for b in rows)
     tok_s = real / sum(timed)
     return {
@@ -500,6 +660,31 @@ def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
         "real_tokens_per_step": round(real / len(rows), 1),
         **memory_fields(ctx["cuda"]),
         "step_s": [round(d, 3) for d in timed],
+        **extra,
+    }
+
+
+def run_shape_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
+    """The issue's packed ceiling: :func:`raw_loop` on ``--ceiling-shape DOCSxLEN`` rows (:func:`shape_batches`,
+    fresh random documents every step), same model, reference, autocast and compile as the other ceiling; no
+    optimizer step (as :func:`run_ceiling`). Real tokens per step = DOCS x LEN (each document once)."""
+    args = ctx["args"]
+    docs, length = args.ceiling_shape
+    batches = shape_batches(trainer, docs, length, args.warmup + args.steps, args.seed)
+    timed, extra = raw_loop(ctx, trainer, batches)
+    real = docs * length * len(timed)
+    tok_s = real / sum(timed)
+    return {
+        **row_head(ctx, trainer, "pair_dpo_ceiling_shape", tok_s, tag=f"{args.tag}_ceiling{docs}x{length}"),
+        "ceiling_shape": f"{docs}x{length}",
+        "docs_per_step": docs,
+        "doc_len": length,
+        "bs_pairs": docs // 2,
+        **step_stats(timed),
+        "real_tokens_per_step": float(docs * length),
+        **memory_fields(ctx["cuda"]),
+        "step_s": [round(d, 3) for d in timed],
+        **extra,
     }
 
 
@@ -520,6 +705,8 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
             torch.backends.cuda.enable_cudnn_sdp(False)
     if args.profile and args.warmup < 1:
         raise SystemExit("--profile needs --warmup >= 1: the profiled step is the last warmup step")
+    if args.compile and args.warmup < 1:
+        raise SystemExit("--compile needs --warmup >= 1: the graphs are built in the first, untimed, steps")
     return ctx
 
 
@@ -553,8 +740,9 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     return trainer
 
 
-def write_profile(ctx: dict[str, Any], probe: Probe) -> None:
-    """Writes the sync/top-ops summary of the profiled step to stdout and ``$OUT/profile_summary.txt``."""
+def write_profile(ctx: dict[str, Any], probe: Probe) -> dict[str, Any]:
+    """Writes the sync / top-ops / host-time-by-region summary of the profiled step to stdout and
+    ``$OUT/profile_summary.txt``; returns the row fields of the host-time breakdown (``profile_*``)."""
     args = ctx["args"]
     title = f"== profile of optimizer step {probe.profile_step} (0-based), tag {args.tag}, rank {ctx['rank']} =="
     text = profile_summary.format_summary(probe.events, use_device=ctx["cuda"], title=title)
@@ -564,6 +752,23 @@ def write_profile(ctx: dict[str, Any], probe: Probe) -> None:
         suffix = "" if ctx["rank"] == 0 else f".rank{ctx['rank']}"
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile_summary{suffix}.txt").write_text(text)
+    breakdown = profile_summary.host_breakdown(probe.events)
+    return {
+        "profile_step_ms": round(breakdown["step_ms"], 3),
+        "profile_host_ms": {r["region"]: round(r["host_ms"], 3) for r in breakdown["rows"]},
+        "profile_kernel_ms": round(breakdown["kernel_ms"], 3) if ctx["cuda"] else None,
+        "profile_gpu_busy_ms": round(breakdown["busy_ms"], 3) if ctx["cuda"] else None,
+    }
+
+
+def warn_timed_compiles(row: dict[str, Any]) -> None:
+    """Prints a WARNING when ``torch.compile`` built graphs during the timed steps of a row."""
+    if row.get("dynamo_graphs_timed"):
+        print(
+            f"WARNING: {row['dynamo_graphs_timed']} torch.compile graph(s) built in TIMED steps ({row['tag']}, "
+            f"{row['impl']}): raise --warmup",
+            flush=True,
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -576,7 +781,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_trl_baseline(args.trl_script, args.model_size, args.trl_args)
         return {}
     ctx = setup(args)
-    probe = Probe(ctx["cuda"], args.warmup - 1 if args.profile else None)
+    probe = Probe(ctx["cuda"], args.warmup - 1 if args.profile else None, count_graphs=args.compile)
     trainer = build_trainer(ctx, probe)
     if ctx["cuda"]:
         torch.cuda.reset_peak_memory_stats()
@@ -585,16 +790,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ctx["train_wall_s"] = time.perf_counter() - start
     row = result_row(ctx, probe, trainer)
     if args.profile and probe.events is not None:
-        write_profile(ctx, probe)
-    if args.ceiling and trainer.is_deepspeed_enabled:
+        row.update(write_profile(ctx, probe))
+    warn_timed_compiles(row)
+    if (args.ceiling or args.ceiling_shape) and trainer.is_deepspeed_enabled:
         print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3", flush=True)
-    elif args.ceiling:
-        ceiling = run_ceiling(ctx, trainer)
-        ceiling["ours_over_ceiling"] = round(row["real_tok_s_gpu"] / ceiling["real_tok_s_gpu"], 4)
-        row["ceiling_real_tok_s_gpu"] = ceiling["real_tok_s_gpu"]
-        row["ours_over_ceiling"] = ceiling["ours_over_ceiling"]
-        emit("CEILING", ceiling, args.results)
-        print(f"RATIO ours/ceiling = {ceiling['ours_over_ceiling']:.3f} ({args.tag})", flush=True)
+    else:
+        if args.ceiling:
+            ceiling = run_ceiling(ctx, trainer)
+            ceiling["ours_over_ceiling"] = round(row["real_tok_s_gpu"] / ceiling["real_tok_s_gpu"], 4)
+            row["ceiling_real_tok_s_gpu"] = ceiling["real_tok_s_gpu"]
+            row["ours_over_ceiling"] = ceiling["ours_over_ceiling"]
+            warn_timed_compiles(ceiling)
+            emit("CEILING", ceiling, args.results)
+            print(f"RATIO ours/ceiling = {ceiling['ours_over_ceiling']:.3f} ({args.tag})", flush=True)
+        if args.ceiling_shape:
+            shaped = run_shape_ceiling(ctx, trainer)
+            shaped["ours_over_ceiling_shape"] = round(row["real_tok_s_gpu"] / shaped["real_tok_s_gpu"], 4)
+            row["ceiling_shape"] = shaped["ceiling_shape"]
+            row["ceiling_shape_real_tok_s_gpu"] = shaped["real_tok_s_gpu"]
+            row["ours_over_ceiling_shape"] = shaped["ours_over_ceiling_shape"]
+            warn_timed_compiles(shaped)
+            emit("CEILING", shaped, args.results)
+            print(
+                f"RATIO ours/ceiling{shaped['ceiling_shape']} = {shaped['ours_over_ceiling_shape']:.3f} "
+                f"({args.tag}: {row['real_tok_s_gpu']:.0f} vs {shaped['real_tok_s_gpu']:.0f} tok/s)",
+                flush=True,
+            )
     emit("RESULT", row, args.results)
     return row
 

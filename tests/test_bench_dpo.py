@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import math
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from pair_dpo_trainer.collators import PackedPairCollator
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -90,3 +93,112 @@ def test_trl_script_runs_unchanged_with_the_model_size_dims(bench, tmp_path, cap
     import transformers
 
     assert isinstance(transformers.LlamaConfig, type)  # restored
+
+
+@pytest.fixture
+def dynamo_reset():
+    import torch
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_tiny_cpu_compile_run_has_compile_fields_shape_ceiling_and_host_breakdown(
+    bench, tmp_path, monkeypatch, capsys, dynamo_reset
+):
+    """``--compile`` (aot_eager: cheap; the CPU attention sdpa_segments has graph breaks), both ceilings, profile."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = ["--tiny", "--bs", "1", "--steps", "1", "--warmup", "2", "--tag", "smoke_c", "--profile"]
+    argv += ["--compile", "--compile-backend", "aot_eager", "--ceiling", "--ceiling-shape", "2x16"]
+    row = bench.main(argv)
+    out = capsys.readouterr().out
+    lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [line["impl"] for line in lines] == ["pair_dpo_ceiling", "pair_dpo_ceiling_shape", "pair_dpo"]
+    assert all(line["compile"] is True and line["compile_backend"] == "aot_eager" for line in lines)
+    assert all(line["dynamo_graphs_timed"] >= 0 for line in lines)
+    assert row["dynamo_graphs_warmup"] > 0  # the trainer compiled in its untimed first steps
+    ceiling, shaped = lines[0], lines[1]
+    assert ceiling["layers_compiled_here"] == 0  # the trainer had compiled policy and reference already
+    assert shaped["tag"] == "smoke_c_ceiling2x16" and shaped["ceiling_shape"] == "2x16"
+    assert shaped["docs_per_step"] == 2 and shaped["doc_len"] == 16 and shaped["real_tokens_per_step"] == 32
+    assert shaped["steps_timed"] == 1 and shaped["real_tok_s_gpu"] > 0
+    assert row["ours_over_ceiling_shape"] == shaped["ours_over_ceiling_shape"] > 0
+    assert row["ceiling_shape_real_tok_s_gpu"] == shaped["real_tok_s_gpu"]
+    assert "RATIO ours/ceiling2x16 = " in out
+    host = row["profile_host_ms"]
+    for region in ("pair_dpo::policy_logps", "pair_dpo::reference_logps", "pair_dpo::loss", "backward (derived)"):
+        assert host[region] > 0
+    assert "bench::optimizer.step" in host and "other/unattributed" in host
+    assert row["profile_step_ms"] == host["bench::step"] > 0 and row["profile_gpu_busy_ms"] is None
+    summary = (tmp_path / "profile_summary.txt").read_text()
+    assert "Sync candidates inside the micro-batch loop" in summary  # the sync table is still there
+    assert "Host wall time per step by region" in summary and "Device time per step: n/a" in summary
+
+
+def test_shape_batches_pack_docs_of_exactly_len_tokens_with_every_non_first_token_scored(bench):
+    trainer = type("T", (), {"data_collator": PackedPairCollator(), "args": type("A", (), {"device": "cpu"})()})()
+    (batch,) = bench.shape_batches(trainer, 4, 16, 1, seed=0)
+    assert batch.cu_seqlens.tolist() == [0, 16, 32, 48, 64] and batch.num_tokens == 64
+    assert int(batch.completion_mask.sum()) == 4 * 15
+    assert batch.completion_mask.reshape(4, 16)[:, -1].sum() == 0  # a document's last token has no target
+
+
+def test_parse_shape(bench):
+    assert bench.parse_shape("16x1024") == (16, 1024)
+    for bad in ("3x8", "16-1024", "0x8", "2x1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            bench.parse_shape(bad)
+
+
+class _Event:
+    def __init__(self, name, start, end, device=False, annotation=False):
+        self.name = name
+        self.time_range = type("R", (), {"start": start, "end": end})()
+        self.device_type = "DeviceType.CUDA" if device else "DeviceType.CPU"
+        self.is_user_annotation = annotation
+        self.is_python_function = False
+
+
+def test_host_breakdown_regions_backward_other_and_gpu_busy():
+    sys.path.insert(0, str(SCRIPTS))
+    import profile_summary
+
+    events = [
+        _Event("bench::step", 0, 100),
+        _Event("bench::microbatch", 5, 60),
+        _Event("pair_dpo::policy_logps", 10, 20),
+        _Event("pair_dpo::reference_logps", 20, 30),
+        _Event("pair_dpo::loss", 30, 32),
+        _Event("bench::optimizer.step", 70, 80),
+        _Event("bench::after_optimizer", 80, 100),
+        _Event("kernel_a", 0, 5, device=True),
+        _Event("kernel_b", 3, 8, device=True),
+        _Event("kernel_c", 50, 60, device=True),
+        _Event("pair_dpo::loss", 30, 40, device=True, annotation=True),  # device-side annotation: not a kernel
+    ]
+    result = profile_summary.host_breakdown(events)
+    ms = {row["region"]: row["host_ms"] * 1e3 for row in result["rows"]}  # back to us
+    assert ms["backward (derived)"] == pytest.approx(28)  # 32 -> 60
+    assert ms["other/unattributed"] == pytest.approx(20)  # 100 - (22 + 28 + 10 + 20)
+    assert ms["bench::step"] == pytest.approx(100) and ms["bench::microbatch"] == pytest.approx(55)
+    assert result["kernel_ms"] * 1e3 == pytest.approx(20) and result["busy_ms"] * 1e3 == pytest.approx(18)
+    text = "\n".join(profile_summary.format_breakdown(result, use_device=True))
+    assert "launch/host-bound" in text and "GPU busy (union) 0.018 ms" in text
+
+
+def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
+    sys.path.insert(0, str(SCRIPTS))
+    import bench_report
+
+    rows = [
+        {"tag": "z3", "impl": "pair_dpo", "rank": 0, "real_tok_s_gpu": 10.0},
+        {"tag": "z3", "impl": "pair_dpo", "rank": 1, "real_tok_s_gpu": 30.0},
+        {"tag": "z3", "impl": "pair_dpo_ceiling", "rank": 0, "real_tok_s_gpu": 99.0},
+        {"tag": "one", "real_tok_s_gpu": 40.0},  # a TRL row: no impl
+    ]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    loaded = bench_report.load_rows(str(path), str(tmp_path / "missing.jsonl"))
+    assert bench_report.ratio_line(loaded, "z3", "one").startswith("RATIO z3/one = 0.500 per GPU (20 / 40 tok/s")
+    assert "missing nope" in bench_report.ratio_line(loaded, "z3:pair_dpo_ceiling", "nope")
