@@ -182,6 +182,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def tf32_matmul() -> bool:
+    """Whether fp32 matmuls may use TF32. Reads torch's new ``fp32_precision`` API when it exists: once anything
+    (transformers' ``enable_tf32`` with ``torch_compile=True``) used it, reading the legacy ``allow_tf32`` raises."""
+    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(torch.backends.cuda.matmul.allow_tf32)
+
+
 # --------------------------------------------------------------------------------------------------- workload
 def make_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
     """``n`` tokenised pairs, drawn exactly as ``trl_dpo_baseline.make_dataset`` draws them (same RNG call order).
@@ -529,7 +538,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "warmup_step_s": [round(probe.ends[i] - probe.ends[i - 1], 3) for i in range(1, args.warmup)],
         "first_step_s": round(probe.ends[0] - probe.begins[0], 3) if probe.ends else None,
         **(graph_fields(probe.graphs0, probe.graphs, len(probe.ends) - steps) if probe.count_graphs else {}),
-        "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+        "tf32_matmul": tf32_matmul(),
     }
 
 

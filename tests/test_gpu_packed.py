@@ -191,9 +191,9 @@ def test_chunked_logps_peak_memory_vs_naive() -> None:
     assert err < 1e-2
 
 
-def test_compiled_layers_torch_varlen_compile_once_and_match_eager() -> None:
-    """Regional compile on the real kernel: no graph break (fullgraph), one graph for packed rows of three different
-    shapes, the same per-sequence log-probs and gradients as eager (bf16), and the eager vs compiled step time."""
+def test_compiled_layers_torch_varlen_stop_compiling_and_match_eager() -> None:
+    """Regional compile on the real kernel: no graph break (fullgraph), at most two graphs for packed rows of four
+    different shapes, the same per-sequence log-probs and gradients as eager (bf16); prints eager vs compiled time."""
     from torch._dynamo.utils import counters
 
     from pair_dpo_trainer.modeling.compile import compile_decoder_layers
@@ -206,9 +206,9 @@ def test_compiled_layers_torch_varlen_compile_once_and_match_eager() -> None:
     compile_decoder_layers(model, fullgraph=True)
     batches = [
         PackedPairCollator()(_features(seed, n)).pin_memory().to("cuda", non_blocking=True)
-        for seed, n in ((1, 8), (2, 5), (3, 11))
+        for seed, n in ((1, 8), (2, 5), (3, 11), (4, 7))
     ]
-    assert len({b.num_tokens for b in batches}) == 3 and len({b.max_seqlen for b in batches}) == 3
+    assert len({b.num_tokens for b in batches}) == 4 and len({b.max_seqlen for b in batches}) == 4
     graphs, times = [], {}
     for batch in batches:
         weights = torch.randn(batch.num_sequences, device="cuda")
@@ -234,5 +234,7 @@ def test_compiled_layers_torch_varlen_compile_once_and_match_eager() -> None:
             packed_sequence_logps(model, batch)
     final = counters["stats"]["unique_graphs"]
     print(f"[gpu] unique graphs after each train batch {graphs}; after the no-grad batches {no_grad_graphs} -> {final}")
-    assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * 2
+    # The longest-sequence int is specialised on first sight and made symbolic when it changes (one recompile);
+    # tensor shapes are symbolic from the start. After that no packed shape compiles again.
+    assert graphs[0] >= 1 and graphs[1] <= graphs[0] + 1 and graphs[2:] == [graphs[1]] * 2
     assert final == no_grad_graphs

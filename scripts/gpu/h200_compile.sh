@@ -28,12 +28,15 @@ python3 -c "import torch,transformers as t,triton;print('torch',torch.__version_
 nproc >> $E; cat $E
 run 120 env_and_tests.log python3 -m pytest -q -s -p no:cacheprovider -m gpu tests/
 tail -5 $E
-B="python3 scripts/bench_dpo.py --no-cudnn-sdp"; S="--ceiling --ceiling-shape 16x1024"
+B="python3 scripts/bench_dpo.py --no-cudnn-sdp"; S="--ceiling --ceiling-shape 16x1024"; L="--model-size 1.5b --steps 15 --warmup 4"
 run 90 trl.log python3 .bench/trl_dpo_baseline.py --tag trl_sdpa --attn sdpa --no_cudnn_sdp
 run 80 ours_254m.log $B --tag ours_eager $S
 run 150 ours_254m.log $B --tag ours_compile --compile $S
 run 90 ours_prof.log $B --tag ours_compile_prof --compile --profile --steps 3 --warmup 4
-run 120 ours_1p5b.log $B --tag ours_1p5b_compile --model-size 1.5b --compile --ceiling --steps 15 --warmup 4
+run 80 ours_254m.log $B --tag ours_compile_precomputed --compile --reference precomputed --steps 20
+run 90 ours_1p5b.log $B --tag ours_1p5b_eager $L --ceiling
+run 120 ours_1p5b.log $B --tag ours_1p5b_compile $L --compile --ceiling
+run 120 ours_1p5b.log $B --tag ours_1p5b_16k_compile $L --compile --ceiling --max-tokens-microbatch 16384
 cp $OUT/results.jsonl /tmp/h200_compile_results.jsonl 2>/dev/null  # for call 2's ratios on a warm machine
 grep -h -E "^(RATIO|WARNING|SKIPPED|Traceback|\S*Error)" $OUT/*.log
 sed -n '/^Host wall time per step/,$p' $OUT/profile_summary.txt
@@ -41,5 +44,7 @@ R="--ratio ours_compile ours_eager --ratio ours_compile trl_sdpa --ratio ours_ea
 R="$R --ratio ours_compile ours_compile_ceiling16x1024:pair_dpo_ceiling_shape --ratio ours_compile ours_eager_ceiling16x1024:pair_dpo_ceiling_shape"
 R="$R --ratio ours_compile_ceiling16x1024:pair_dpo_ceiling_shape ours_eager_ceiling16x1024:pair_dpo_ceiling_shape"
 R="$R --ratio ours_compile ours_compile:pair_dpo_ceiling --ratio ours_1p5b_compile ours_1p5b_compile:pair_dpo_ceiling"
+R="$R --ratio ours_compile_precomputed ours_compile --ratio ours_1p5b_compile ours_1p5b_eager"
+R="$R --ratio ours_1p5b_16k_compile ours_1p5b_16k_compile:pair_dpo_ceiling"
 python3 scripts/bench_report.py $OUT/results.jsonl $R  # the table, then the ratios (target: ours_compile >= 110k tok/s)
 echo "total $(($(date +%s) - START))s"

@@ -29,14 +29,17 @@ B="scripts/bench_dpo.py --no-cudnn-sdp"; ONE="env CUDA_VISIBLE_DEVICES=0 python3
 Z3="accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2"
 DDP="accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml --num_processes 2"
 L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --max-tokens-microbatch 16384 --steps 6 --warmup 3"
-run 120 ours_1p5b.log $Z3 --main_process_port 29611 $B --tag ours_z3_1p5b $L
+Z3T="accelerate launch --config_file accelerate_configs/zero3_overlap.yaml --num_processes 2"
 run 60 ours_1p5b.log $ONE $B --tag ours_1gpu_1p5b $L
-run 110 ours_1p5b.log $Z3 --main_process_port 29612 $B --tag ours_z3_1p5b_16k $K
+run 120 ours_1p5b.log $Z3 --main_process_port 29611 $B --tag ours_z3_1p5b $L
+run 120 ours_1p5b.log $Z3T --main_process_port 29615 $B --tag ours_z3tuned_1p5b $L --ref-zero-stage 0
+run 80 ours_254m.log $DDP --main_process_port 29614 $B --tag ours_ddp_compile_254m --compile --steps 20 --warmup 5
+run 50 ours_254m.log $ONE $B --tag ours_1gpu_compile_254m --compile --steps 20 --warmup 5
+run 100 ours_1p5b.log $Z3T --main_process_port 29612 $B --tag ours_z3tuned_1p5b_16k $K --ref-zero-stage 0
 run 60 ours_1p5b.log $ONE $B --tag ours_1gpu_1p5b_16k $K
 run 80 ours_254m.log $Z3 --main_process_port 29613 $B --tag ours_z3_254m --steps 6 --warmup 3
-run 110 ours_254m.log $DDP --main_process_port 29614 $B --tag ours_ddp_compile_254m --compile --steps 20 --warmup 5
 grep -h -E "^(RATIO|WARNING|SKIPPED|Traceback|\S*Error)" $OUT/*.log | sort | uniq -c
-R="--ratio ours_z3_1p5b ours_1gpu_1p5b --ratio ours_z3_1p5b_16k ours_1gpu_1p5b_16k --ratio ours_ddp_compile_254m ours_z3_254m"
-R="$R --ratio ours_ddp_compile_254m ours_compile --ratio ours_z3_254m ours_eager --ratio ours_z3_254m trl_sdpa"
+R="--ratio ours_z3_1p5b ours_1gpu_1p5b --ratio ours_z3tuned_1p5b ours_1gpu_1p5b --ratio ours_z3tuned_1p5b_16k ours_1gpu_1p5b_16k"
+R="$R --ratio ours_ddp_compile_254m ours_1gpu_compile_254m --ratio ours_z3_254m ours_1gpu_compile_254m --ratio ours_ddp_compile_254m ours_z3_254m"
 python3 scripts/bench_report.py $OUT/results.jsonl --also /tmp/h200_compile_results.jsonl $R
 echo "total $(($(date +%s) - START))s"
