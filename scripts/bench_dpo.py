@@ -81,6 +81,7 @@ VOCAB = 32000
 """Token ids of the workload are drawn from [3, VOCAB) for every model size (the TRL script's vocabulary)."""
 
 EOS_ID = 1
+PROCESS_START = time.perf_counter()
 PEAK_TFLOPS = (989, 790)
 
 MODEL_SIZES: dict[str, dict[str, int]] = {
@@ -161,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile (inductor)")
     p.add_argument("--compile-mode", help="torch.compile mode with --compile (default; max-autotune-no-cudagraphs)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the last warmup step")
+    p.add_argument("--progress", action="store_true", help="rank 0 prints each step's time and the setup phases")
     p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--trl-script", help="run this TRL baseline script at --model-size instead (see run_trl_baseline)")
@@ -180,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.results is None and os.environ.get("OUT"):
         args.results = os.path.join(os.environ["OUT"], "results.jsonl")
     return args
+
+
+def _progress(args: argparse.Namespace, what: str) -> None:
+    if args.progress and int(os.environ.get("RANK", "0")) == 0:
+        print(f"progress: {what}, {time.perf_counter() - PROCESS_START:.1f} s since start", flush=True)
 
 
 def tf32_matmul() -> bool:
@@ -332,6 +339,7 @@ class Probe:
     def __init__(self, cuda: bool, profile_step: int | None, count_graphs: bool = False) -> None:
         self.cuda = cuda
         self.count_graphs = count_graphs
+        self.progress = False
         self.graphs0 = dynamo_graphs() if count_graphs else 0
         self.graphs: list[int] = []  # graph count at each on_step_end
         self.begins: list[float] = []
@@ -400,6 +408,9 @@ class StepClock(TrainerCallback):
         if self.probe.profiling:
             self.probe.stop_profiler()  # trace processing happens here, before this step's end time is taken
         self.probe.ends.append(time.perf_counter())
+        if self.probe.progress and state.is_world_process_zero:  # a host print after the sync: nothing timed waits
+            print(f"progress: step {state.global_step} {self.probe.ends[-1] - self.probe.begins[-1]:.3f} s, "
+                  f"{time.perf_counter() - PROCESS_START:.1f} s since start", flush=True)  # fmt: skip
         if self.probe.count_graphs:
             self.probe.graphs.append(dynamo_graphs())  # a host counter read: no device access
 
@@ -791,7 +802,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     ctx = setup(args)
     probe = Probe(ctx["cuda"], args.warmup - 1 if args.profile else None, count_graphs=args.compile)
+    probe.progress = args.progress
+    _progress(args, "models built")
     trainer = build_trainer(ctx, probe)
+    _progress(args, "trainer built")
     if ctx["cuda"]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
