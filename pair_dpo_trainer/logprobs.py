@@ -14,8 +14,9 @@ sums use ``index_add`` with ``sequence_index``.
 Wrappers and ZeRO-3: the forward runs through the (possibly wrapped) top-level model, so DDP / DeepSpeed
 forward hooks fire, with ``logits_to_keep`` set to an empty index (the model's own ``lm_head`` call sees 0
 rows); the final hidden states are captured by a forward hook on ``model.get_decoder()``. When the head weight
-is a partitioned ZeRO-3 parameter (it has ``ds_id``), the head is called as a module per chunk under
-``torch.utils.checkpoint`` so that DeepSpeed gathers it; that branch is not exercised by the CPU tests.
+is a partitioned ZeRO-3 parameter (it has ``ds_id``), the chunked computation runs inside ONE call of the head module
+so that DeepSpeed gathers it exactly once per forward on every rank (:func:`module_chunked_token_logps`;
+``tests/test_deepspeed.py`` gives the ranks different numbers of chunks).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
-from torch.utils.checkpoint import checkpoint
 
 from pair_dpo_trainer.collators.packed import CHOSEN, IGNORE_INDEX, REJECTED, PackedPairBatch
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
@@ -132,30 +132,27 @@ def naive_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     return logits.log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
-def _head_chunk_logps(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    logits = head(hidden).to(_acc_dtype(hidden.dtype))
-    return logits.gather(1, targets[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-
-
 def module_chunked_token_logps(
     head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> torch.Tensor:
-    """As :func:`chunked_token_logps`, but calling ``head`` as a module per chunk under checkpointing.
+    """As :func:`chunked_token_logps`, run as ONE call of the ``head`` module, so that module hooks fire exactly once.
 
-    Slower (autograd re-runs each chunk's forward in backward) but lets wrappers that hook module calls, such
-    as DeepSpeed ZeRO-3, gather a partitioned head weight. Shapes and dtypes as :func:`chunked_token_logps`.
+    Under DeepSpeed ZeRO-3 the head's pre-forward hook all-gathers its partitioned weight (a collective) and its
+    backward hook gathers it again. The call count must not depend on this rank's data: calling the head once per
+    chunk made ranks with different numbers of scored tokens issue different numbers of gathers, which deadlocks
+    NCCL (gloo reports a collective mismatch). Here the head is called once, with its ``forward`` temporarily
+    replaced by the chunked computation on ``head.weight`` (the gathered weight inside the call; backward recomputes
+    each chunk as :func:`chunked_token_logps` does). Shapes and dtypes as :func:`chunked_token_logps`.
     """
-    outputs = [
-        checkpoint(
-            _head_chunk_logps,
-            head,
-            hidden[s : s + chunk_size],
-            targets[s : s + chunk_size],
-            use_reentrant=False,
-        )
-        for s in range(0, hidden.shape[0], chunk_size)
-    ]
-    return torch.cat(outputs) if outputs else hidden.new_zeros(0, dtype=_acc_dtype(hidden.dtype))
+
+    def chunked_forward(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return chunked_token_logps(rows, head.weight, ids, chunk_size)
+
+    head.forward = chunked_forward  # an instance attribute shadows the class method for this one call
+    try:
+        return head(hidden, targets)
+    finally:
+        del head.forward
 
 
 def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:

@@ -45,6 +45,9 @@ NUM_PAIRS = 48
 GLOBAL_PAIRS = 8
 GA = 2
 STEPS = 6
+LOGPS_CHUNK = 7
+"""Tiny chunks: each rank's micro-batches score different token counts, so ranks project different numbers of chunks
+(the ZeRO-3 head must still be gathered the same number of times on every rank, or the ranks deadlock)."""
 
 
 def build_trainer(
@@ -59,6 +62,7 @@ def build_trainer(
         per_device_eval_batch_size=4,
         learning_rate=1e-2,
         max_grad_norm=0.0,
+        logps_chunk_size=LOGPS_CHUNK,
         allow_unpinned_reference=not kwargs.get("reference_free", False),
     )
     options.update(kwargs)

@@ -113,7 +113,10 @@ def test_module_chunked_matches_naive() -> None:
     head = torch.nn.Linear(16, 37, bias=False).double()
     hidden = torch.randn(20, 16, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, 37, (20,))
-    got = module_chunked_token_logps(head, hidden, targets, 6)
+    calls = []
+    head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    got = module_chunked_token_logps(head, hidden, targets, 6)  # 4 chunks, ONE module call (ZeRO-3: one gather)
+    assert calls == [20] and "forward" not in vars(head)
     ref = naive_token_logps(hidden, head.weight, targets)
     assert (got - ref).abs().max() < 1e-10
     g1 = torch.autograd.grad(got.sum(), (hidden, head.weight))
