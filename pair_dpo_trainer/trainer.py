@@ -168,6 +168,13 @@ class PairDPOTrainer(Trainer):
                 "torch_compile=True is not supported with DeepSpeed ZeRO-3 (its per-module parameter hooks cannot be "
                 "traced inside a compiled layer): set torch_compile=False, or use a single GPU, DDP or ZeRO-1/2.",
             )
+        if self.attn_backend == "sdpa_segments":
+            raise ConfigError(
+                "unsupported_combination",
+                "torch_compile=True needs a varlen attention kernel (attn_backend 'torch_varlen' or 'flash_attn': a "
+                "CUDA device with bf16/fp16); 'sdpa_segments' reads the segment bounds on the host, which splits every "
+                "compiled layer into pieces that recompile as the packed rows change: set torch_compile=False here.",
+            )
         from accelerate.utils import DynamoBackend
 
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO

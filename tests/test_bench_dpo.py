@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pair_dpo_trainer.collators import PackedPairCollator
+from tests.dpo_fixtures import install_traceable_varlen
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
@@ -107,9 +108,11 @@ def dynamo_reset():
 def test_tiny_cpu_compile_run_has_compile_fields_shape_ceiling_and_host_breakdown(
     bench, tmp_path, monkeypatch, capsys, dynamo_reset
 ):
-    """``--compile`` (aot_eager: cheap; the CPU attention sdpa_segments has graph breaks), both ceilings, profile."""
+    """``--compile`` (aot_eager; a traceable CPU stand-in for the torch_varlen kernel), both ceilings, profile."""
     monkeypatch.setenv("OUT", str(tmp_path))
+    backend = install_traceable_varlen(monkeypatch)  # torch_compile refuses sdpa_segments (host-side segment bounds)
     argv = ["--tiny", "--bs", "1", "--steps", "1", "--warmup", "2", "--tag", "smoke_c", "--profile"]
+    argv += ["--attn-backend", backend]
     argv += ["--compile", "--compile-backend", "aot_eager", "--ceiling", "--ceiling-shape", "2x16"]
     row = bench.main(argv)
     out = capsys.readouterr().out

@@ -1,55 +1,38 @@
 """Regional ``torch.compile`` of the decoder layers (``pair_dpo_trainer.modeling.compile``).
 
 On CPU the CUDA varlen kernels do not run, so the traceable tests swap a block-mask SDPA in as the ``torch_varlen``
-kernel (same signature, same semantics): everything else, the attention function included, is the product's code.
+kernel (``dpo_fixtures.install_traceable_varlen``: same signature, same semantics): everything else, the attention
+function included, is the product's code.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import packed_sequence_logps
-from pair_dpo_trainer.modeling import attention
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers, decoder_layers, is_compiled
-from tests.dpo_fixtures import cpu_config, random_features, synthetic_pairs, tiny_llama, tiny_tokenizer
-
-
-def block_mask_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """``torch.nn.attention.varlen.varlen_attn`` semantics with dense SDPA and a block-causal mask (traceable)."""
-    n = q.shape[0]
-    pos = torch.arange(n, device=q.device)
-    seg = torch.searchsorted(cu_q[1:].to(torch.int64), pos, right=True)
-    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-    if window_size[0] >= 0:
-        mask &= (pos[:, None] - pos[None, :]) <= window_size[0]
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
+from tests.dpo_fixtures import (
+    cpu_config,
+    install_traceable_varlen,
+    random_features,
+    synthetic_pairs,
+    tiny_llama,
+    tiny_tokenizer,
+)
 
 
 @pytest.fixture
 def traceable_varlen(monkeypatch: pytest.MonkeyPatch) -> str:
-    """Makes ``torch_varlen`` available on CPU with :func:`block_mask_varlen_attn` as its kernel."""
-    monkeypatch.setattr(attention, "_RESOLVED", {})
-    monkeypatch.setitem(attention._KERNELS, "torch_varlen", block_mask_varlen_attn)
-    monkeypatch.setitem(attention._GQA_KWARGS, "torch_varlen", True)
-    real = attention._unavailable_reason
-    monkeypatch.setattr(
-        attention, "_unavailable_reason", lambda b, d, t: None if b == "torch_varlen" else real(b, d, t)
-    )
+    """Makes ``torch_varlen`` available on CPU with a traceable block-mask kernel (``dpo_fixtures``)."""
     torch._dynamo.reset()
     counters.clear()
-    yield "torch_varlen"
+    yield install_traceable_varlen(monkeypatch)
     torch._dynamo.reset()
 
 
@@ -160,3 +143,11 @@ def test_trainer_compiles_policy_and_reference_layers_and_matches_eager(tmp_path
         assert history.global_step == 2
     assert len(losses[True]) == 2
     torch.testing.assert_close(losses[True], losses[False], rtol=1e-4, atol=1e-5)
+
+
+def test_compile_without_a_varlen_kernel_is_refused(tmp_path) -> None:
+    """On the CPU (auto -> sdpa_segments) every compiled layer would break on the host-side segment bounds."""
+    args = cpu_config(tmp_path, torch_compile=True, torch_compile_backend="aot_eager")
+    with pytest.raises(ConfigError) as info:
+        PairDPOTrainer(tiny_llama(), args, train_dataset=synthetic_pairs(8), processing_class=tiny_tokenizer())
+    assert info.value.reason_code == "unsupported_combination" and "sdpa_segments" in str(info.value)
