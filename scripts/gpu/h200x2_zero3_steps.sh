@@ -3,18 +3,8 @@
 # with few steps, generous timeouts and --progress (per-step times on rank 0 even when a run is cut short).
 # Device call: kind nvidia-h200-x2, carry [".whl", ".bench"], command `bash scripts/gpu/h200x2_zero3_steps.sh`.
 START=$(date +%s); DEADLINE=$((START + 420))
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=8
-if [ -d /tmp/site/deepspeed ]; then echo "warm machine"; else
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1; fi
-export PYTHONPATH=/tmp/site:$PWD
-run() {
-  local t=$1 log=$OUT/$2; shift 2; local left=$((DEADLINE - $(date +%s)))
-  if [ "$left" -lt 15 ]; then echo "SKIPPED (deadline): $*" | tee -a "$log"; return; fi
-  [ "$left" -lt "$t" ] && t=$left
-  local t0=$(date +%s); echo "=== $* (timeout ${t}s)" >> "$log"
-  timeout "$t" "$@" >> "$log" 2>&1; local rc=$?
-  echo "=== rc=$rc $(($(date +%s) - t0))s" >> "$log"; echo "rc=$rc $(($(date +%s) - t0))s (t=$(($(date +%s) - START))s): $*"
-}
+source scripts/gpu/common.sh  # environment, wheels, run()
+export OMP_NUM_THREADS=8
 B="scripts/bench_dpo.py --no-cudnn-sdp --progress"
 Z3="accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2"
 Z3T="accelerate launch --config_file accelerate_configs/zero3_overlap.yaml --num_processes 2"

@@ -9,20 +9,8 @@
 # ours_1p5b.log, ours_254m.log, results.jsonl (one row per rank). --compile is not run under ZeRO-3: the trainer
 # refuses that combination (DeepSpeed's parameter hooks inside compiled layers).
 START=$(date +%s); DEADLINE=$((START + 545))
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=8
-export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache  # call 1's kernels, when the machine is still warm
-if [ -d /tmp/site/deepspeed ]; then echo "warm machine: /tmp/site already installed"; else
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1; fi
-export PYTHONPATH=/tmp/site:$PWD
-# run SECONDS LOG CMD...: appends a header, the output and the rc to $OUT/LOG; the timeout is cut to the deadline
-run() {
-  local t=$1 log=$OUT/$2; shift 2; local left=$((DEADLINE - $(date +%s)))
-  if [ "$left" -lt 15 ]; then echo "SKIPPED (deadline): $*" | tee -a "$log"; return; fi
-  [ "$left" -lt "$t" ] && t=$left
-  local t0=$(date +%s); echo "=== $* (timeout ${t}s)" >> "$log"
-  timeout "$t" "$@" >> "$log" 2>&1; local rc=$?
-  echo "=== rc=$rc $(($(date +%s) - t0))s" >> "$log"; echo "rc=$rc $(($(date +%s) - t0))s (t=$(($(date +%s) - START))s): $*"
-}
+source scripts/gpu/common.sh  # environment, wheels, run()
+export OMP_NUM_THREADS=8
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $OUT/env.log; nvidia-smi topo -m >> $OUT/env.log
 python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version__,t.__version__,d.__version__)" >> $OUT/env.log 2>&1; cat $OUT/env.log
 B="scripts/bench_dpo.py --no-cudnn-sdp"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
