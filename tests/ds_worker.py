@@ -172,6 +172,15 @@ def run_failing(out_dir: Path, name: str, *, resume: str | None = None, **kwargs
     return {"reason_code": None, "seconds": time.monotonic() - start}
 
 
+def run_compile_refused(out_dir: Path) -> dict[str, Any]:
+    """``torch_compile=True`` under ZeRO-3 is refused when the trainer is built (on every rank, no collective)."""
+    try:
+        build_trainer(out_dir / "compile", world_size=2, torch_compile=True, torch_compile_backend="aot_eager")
+    except PairDPOError as exc:
+        return {"reason_code": exc.reason_code, "message": str(exc)}
+    return {"reason_code": None}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])  # the process group starts with the first trainer
@@ -197,8 +206,10 @@ def main() -> None:
     timed("disagree", run_failing, out_dir, "disagree", pairs=short)
     timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
     timed("pinned", run_pinned, out_dir, rank)
+    timed("compile", run_compile_refused, out_dir)
     replicated = {k: v for k, v in results["replicated"].items() if k != "params"}
-    per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned")} | {"replicated": replicated}
+    per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned", "compile")}
+    per_rank["replicated"] = replicated
     (out_dir / f"errors_rank{rank}.json").write_text(json.dumps(per_rank))
     if rank == 0:
         torch.save(results, out_dir / "results.pt")

@@ -164,6 +164,13 @@ def test_a_changed_reference_or_disagreeing_ranks_fail_fast_on_every_rank(zero3,
         assert result[phase]["seconds"] < 60 and result[phase]["step"] == 0  # nothing restored, no step ran
 
 
+def test_torch_compile_under_zero3_is_refused_on_every_rank(zero3):
+    _, errors = zero3
+    for rank, result in enumerate(errors):
+        assert result["compile"]["reason_code"] == "unsupported_combination", (rank, result["compile"])
+        assert "ZeRO-3" in result["compile"]["message"] and "torch_compile" in result["compile"]["message"]
+
+
 def test_pinned_snapshot_under_zero3_is_verified_and_a_changed_one_is_refused_on_resume(zero3):
     _, errors = zero3
     for rank, result in enumerate(errors):

@@ -13,7 +13,7 @@ source scripts/gpu/common.sh  # environment, wheels, run()
 export OMP_NUM_THREADS=8
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > $OUT/env.log; nvidia-smi topo -m >> $OUT/env.log
 python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version__,t.__version__,d.__version__)" >> $OUT/env.log 2>&1; cat $OUT/env.log
-B="scripts/bench_dpo.py --no-cudnn-sdp"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
+B="scripts/bench_dpo.py --no-cudnn-sdp --progress"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
 Z3="accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2"
 DDP="accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml --num_processes 2"
 L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --max-tokens-microbatch 16384 --steps 6 --warmup 3"
