@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import gc
 import math
 import os
 import re
@@ -68,17 +67,24 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.tokenize import pair_costs
-from pair_dpo_trainer.logprobs import packed_sequence_logps
-from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.trainer import PairDPOTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_summary  # noqa: E402  (the helper beside this script)
+from bench_ceiling import run_ceiling, run_shape_ceiling, shape_batches  # noqa: E402, F401  (helpers beside it)
+from bench_common import (  # noqa: E402  (the helper beside this script)
+    VOCAB,
+    Probe,
+    dynamo_graphs,
+    graph_fields,
+    memory_fields,
+    param_counts,
+    row_head,
+    step_stats,
+    tf32_matmul,
+    timed_tokens,
+)
 from bench_report import emit, summary_table  # noqa: E402  (the helper beside this script)
-
-VOCAB = 32000
-"""Token ids of the workload are drawn from [3, VOCAB) for every model size (the TRL script's vocabulary)."""
 
 EOS_ID = 1
 PROCESS_START = time.perf_counter()
@@ -187,15 +193,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _progress(args: argparse.Namespace, what: str) -> None:
     if args.progress and int(os.environ.get("RANK", "0")) == 0:
         print(f"progress: {what}, {time.perf_counter() - PROCESS_START:.1f} s since start", flush=True)
-
-
-def tf32_matmul() -> bool:
-    """Whether fp32 matmuls may use TF32. Reads torch's new ``fp32_precision`` API when it exists: once anything
-    (transformers' ``enable_tf32`` with ``torch_compile=True``) used it, reading the legacy ``allow_tf32`` raises."""
-    precision = getattr(torch.backends.cuda.matmul, "fp32_precision", None)
-    if precision is not None:
-        return precision == "tf32"
-    return bool(torch.backends.cuda.matmul.allow_tf32)
 
 
 # --------------------------------------------------------------------------------------------------- workload
@@ -324,65 +321,6 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
     return PairDPOConfig(**kwargs)
 
 
-# --------------------------------------------------------------------------------------------------- timing
-def dynamo_graphs() -> int:
-    """Graphs ``torch.compile`` has produced in this process so far (recompiles included)."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
-class Probe:
-    """State shared by the step callback and the trainer: step times, tokens per micro-batch, the profiler, and
-    (with ``count_graphs``) the ``torch.compile`` graph count at every step end."""
-
-    def __init__(self, cuda: bool, profile_step: int | None, count_graphs: bool = False) -> None:
-        self.cuda = cuda
-        self.count_graphs = count_graphs
-        self.progress = False
-        self.graphs0 = dynamo_graphs() if count_graphs else 0
-        self.graphs: list[int] = []  # graph count at each on_step_end
-        self.begins: list[float] = []
-        self.ends: list[float] = []
-        self.tokens: list[tuple[int, int, int]] = []  # (step, real tokens, row length T) per micro-batch
-        self.profile_step = profile_step
-        self.profiler: Any = None
-        self.events: Any = None
-        self._regions: list[Any] = []
-
-    @property
-    def profiling(self) -> bool:
-        return self.profiler is not None
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def open_region(self, name: str) -> None:
-        if self.profiling:
-            region = torch.profiler.record_function(name)
-            region.__enter__()
-            self._regions.append(region)
-
-    def close_region(self) -> None:
-        if self.profiling and self._regions:
-            self._regions.pop().__exit__(None, None, None)
-
-    def start_profiler(self) -> None:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.profiler = profile(activities=activities, with_stack=True)
-        self.profiler.start()
-
-    def stop_profiler(self) -> None:
-        while self._regions:
-            self.close_region()
-        self.profiler.stop()
-        self.events = self.profiler.events()
-        self.profiler = None
-
-
 class StepClock(TrainerCallback):
     """CUDA sync + wall time at optimizer-step boundaries; opens the profiler regions of the profiled step."""
 
@@ -441,77 +379,6 @@ class BenchTrainer(PairDPOTrainer):
             self.probe.close_region()
 
 
-# --------------------------------------------------------------------------------------------------- results
-def _params(model: torch.nn.Module) -> tuple[int, int]:
-    """``(all parameters, parameters minus the input embedding)``; ZeRO-3 partitioned tensors count in full."""
-    total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-    embed = model.get_input_embeddings().weight
-    return total, total - getattr(embed, "ds_numel", embed.numel())
-
-
-def mfu_fields(tok_s: float, n_all: int, n_noembed: int, factor: int) -> dict[str, float]:
-    """MFU columns: TRL's exact ``8 x all params`` and ours (``factor x`` non-embedding / all params)."""
-    return {
-        "mfu8N_989": round(8 * n_all * tok_s / 989e12, 4),
-        "mfu8N_790": round(8 * n_all * tok_s / 790e12, 4),
-        "mfu_noembed_989": round(factor * n_noembed * tok_s / 989e12, 4),
-        "mfu_noembed_790": round(factor * n_noembed * tok_s / 790e12, 4),
-        "mfu_allparams_989": round(factor * n_all * tok_s / 989e12, 4),
-        "flops_per_token_factor": factor,
-    }
-
-
-def step_stats(dts: list[float]) -> dict[str, Any]:
-    """Median / mean / min / max of the timed step times."""
-    return {
-        "steps_timed": len(dts),
-        "step_median_s": round(statistics.median(dts), 4),
-        "step_mean_s": round(sum(dts) / len(dts), 4),
-        "step_min_s": round(min(dts), 4),
-        "step_max_s": round(max(dts), 4),
-    }
-
-
-def memory_fields(cuda: bool) -> dict[str, Any]:
-    """Peak allocated / reserved GiB since the last reset (None on CPU)."""
-    return {
-        "peak_alloc_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
-    }
-
-
-def timed_tokens(probe: Probe, warmup: int) -> tuple[list[float], list[tuple[int, int, int]]]:
-    """Step times of the steps after ``warmup`` (TRL's ``ends`` differences) and their micro-batch token records."""
-    ends = probe.ends
-    dts = [ends[i] - ends[i - 1] for i in range(max(warmup, 1), len(ends))]
-    first = len(ends) - len(dts)
-    log = [t for t in probe.tokens if first <= t[0] < len(ends)]
-    return dts, log
-
-
-def row_head(
-    ctx: dict[str, Any], trainer: BenchTrainer, impl: str, tok_s: float, tag: str | None = None
-) -> dict[str, Any]:
-    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention, compile), tok/s and MFU."""
-    args = ctx["args"]
-    n_all, n_noembed = ctx["params"]
-    factor = 8 if args.reference == "online" else 6  # 6N policy fwd+bwd, plus 2N for an online reference forward
-    return {
-        "tag": tag or args.tag,
-        "impl": impl,
-        "rank": ctx["rank"],
-        "world": ctx["world"],
-        "model_size": args.model_size,
-        "reference": args.reference,
-        "attn": f"pair_varlen:{trainer.attn_backend}",
-        "compile": bool(args.compile),
-        "compile_backend": args.compile_backend if args.compile else None,
-        "compile_mode": args.compile_mode,
-        "real_tok_s_gpu": round(tok_s, 1),
-        **mfu_fields(tok_s, n_all, n_noembed, factor),
-    }
-
-
 def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict[str, Any]:
     """The ``RESULT`` row: TRL's fields (same names and meaning) plus ours."""
     args = ctx["args"]
@@ -553,161 +420,6 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
     }
 
 
-def graph_fields(graphs0: int, graphs: list[int], untimed: int) -> dict[str, int]:
-    """``torch.compile`` graphs made during the untimed first steps and during the timed steps (0 expected: a
-    compile inside a timed step would be counted in its step time). ``graphs[i]`` is the count after step ``i``."""
-    before = graphs[untimed - 1] if untimed > 0 else graphs0
-    return {"dynamo_graphs_warmup": before - graphs0, "dynamo_graphs_timed": graphs[-1] - before}
-
-
-# --------------------------------------------------------------------------------------------------- ceiling
-def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[Any]:
-    """Per optimizer step: ALL pairs this rank's schedule gives the step, as one packed row on the device."""
-    args = trainer.args
-    sampler = PairBatchSampler(
-        pair_costs(trainer.train_dataset),
-        world_size=args.world_size,
-        rank=args.process_index,
-        pairs_per_rank=args.pairs_per_rank_per_step,
-        microbatches=args.gradient_accumulation_steps,
-        seed=args.data_seed if args.data_seed is not None else args.seed,
-    )
-    micro = list(sampler)
-    ga = args.gradient_accumulation_steps
-    batches = []
-    for step in range(total_steps):
-        indices = [i for mb in micro[step * ga : (step + 1) * ga] for i in mb]
-        batches.append(trainer.data_collator([trainer.train_dataset[i] for i in indices]).to(args.device))
-    return batches
-
-
-def _free_training_state(trainer: BenchTrainer) -> None:
-    """Drops the optimizer state and cached blocks so the ceiling's peak memory is its own."""
-    trainer.optimizer = None
-    trainer.lr_scheduler = None
-    trainer.accelerator.free_memory()
-    trainer.model.zero_grad(set_to_none=True)
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
-def shape_batches(trainer: BenchTrainer, docs: int, length: int, steps: int, seed: int) -> list[Any]:
-    """Per step: ``docs`` random documents of exactly ``length`` tokens packed into ONE row on the device.
-
-    Built with the trainer's own collator as ``docs / 2`` pairs of a 1-token prompt and two ``length - 1``-token
-    completions, so ``cu_seqlens`` is ``0, length, 2 length, ...`` and every token after a document's first is
-    scored (``length - 1`` log-probs per document). Ids are drawn from ``[3, VOCAB)`` like the workload's.
-
-    Example:
-        One row of 2 x 16 tokens: ``cu_seqlens == [0, 16, 32]``, 30 scored tokens.
-    """
-    rng = np.random.default_rng(seed + 7919)
-    batches = []
-    for _ in range(steps):
-        pairs = [
-            {
-                "prompt_input_ids": rng.integers(3, VOCAB, 1).tolist(),
-                "chosen_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
-                "rejected_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
-            }
-            for _ in range(docs // 2)
-        ]
-        batches.append(trainer.data_collator(pairs).to(trainer.args.device))
-    return batches
-
-
-def compile_for_ceiling(args: argparse.Namespace, trainer: BenchTrainer) -> int:
-    """With ``--compile``: compiles the policy's and the reference's decoder layers in place with the trainer's
-    options (``compile_decoder_layers``; idempotent, so layers the trainer compiled in ``train()`` stay as they
-    are); returns the number of layers compiled now. The graphs themselves are built in the first warmup step."""
-    if not args.compile:
-        return 0
-    options = {"backend": args.compile_backend, "mode": args.compile_mode}
-    compiled = compile_decoder_layers(trainer.model, **options)
-    reference_model = getattr(trainer.reference, "model", None) if args.reference == "online" else None
-    if isinstance(reference_model, torch.nn.Module):
-        compiled += compile_decoder_layers(reference_model, **options)
-    return compiled
-
-
-def raw_loop(ctx: dict[str, Any], trainer: BenchTrainer, batches: list[Any]) -> tuple[list[float], dict[str, Any]]:
-    """Times each batch: policy ``packed_sequence_logps`` forward + backward and the reference's no-grad forward
-    under bf16 autocast, CUDA sync around each step; no Trainer, NO optimizer step, no data loading. The first
-    ``--warmup`` steps (where ``--compile`` builds its graphs) are untimed. Returns the timed step times and the
-    compile fields of the row."""
-    args, probe = ctx["args"], Probe(ctx["cuda"], None)
-    _free_training_state(trainer)
-    compiled_now = compile_for_ceiling(args, trainer)
-    graphs0 = dynamo_graphs() if args.compile else 0
-    model, chunk = trainer.model, trainer.args.logps_chunk_size
-    model.train()
-    autocast = torch.autocast(trainer.args.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
-    dts, graphs = [], []
-    for batch in batches:
-        probe.sync()
-        start = time.perf_counter()
-        with autocast:
-            policy = packed_sequence_logps(model, batch, chunk_size=chunk)
-            ref = trainer.reference.sequence_logps(batch) if args.reference == "online" else torch.zeros_like(policy)
-            loss = (policy - ref).sum()
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        probe.sync()
-        dts.append(time.perf_counter() - start)
-        if args.compile:
-            graphs.append(dynamo_graphs())
-    extra: dict[str, Any] = {"first_step_s": round(dts[0], 3) if dts else None}
-    if args.compile:
-        extra.update(graph_fields(graphs0, graphs, args.warmup), layers_compiled_here=compiled_now)
-    return dts[args.warmup :], extra
-
-
-def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
-    """Raw loop (:func:`raw_loop`), same model and same real tokens per step in ONE packed row: all pairs this rank's
-    schedule gives each step, concatenated; policy forward + backward and the reference's no-grad forward."""
-    args = ctx["args"]
-    batches = _step_batches(trainer, args.warmup + args.steps)
-    timed, extra = raw_loop(ctx, trainer, batches)
-    rows = batches[args.warmup :]
-    real = sum(int(b.num_tokens) for b in rows)
-    tok_s = real / sum(timed)
-    return {
-        **row_head(ctx, trainer, "pair_dpo_ceiling", tok_s),
-        "bs_pairs": trainer.args.pairs_per_rank_per_step,
-        **step_stats(timed),
-        "real_tokens_per_step": round(real / len(rows), 1),
-        **memory_fields(ctx["cuda"]),
-        "step_s": [round(d, 3) for d in timed],
-        **extra,
-    }
-
-
-def run_shape_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
-    """The issue's packed ceiling: :func:`raw_loop` on ``--ceiling-shape DOCSxLEN`` rows (:func:`shape_batches`,
-    fresh random documents every step), same model, reference, autocast and compile as the other ceiling; no
-    optimizer step (as :func:`run_ceiling`). Real tokens per step = DOCS x LEN (each document once)."""
-    args = ctx["args"]
-    docs, length = args.ceiling_shape
-    batches = shape_batches(trainer, docs, length, args.warmup + args.steps, args.seed)
-    timed, extra = raw_loop(ctx, trainer, batches)
-    real = docs * length * len(timed)
-    tok_s = real / sum(timed)
-    return {
-        **row_head(ctx, trainer, "pair_dpo_ceiling_shape", tok_s, tag=f"{args.tag}_ceiling{docs}x{length}"),
-        "ceiling_shape": f"{docs}x{length}",
-        "docs_per_step": docs,
-        "doc_len": length,
-        "bs_pairs": docs // 2,
-        **step_stats(timed),
-        "real_tokens_per_step": float(docs * length),
-        **memory_fields(ctx["cuda"]),
-        "step_s": [round(d, 3) for d in timed],
-        **extra,
-    }
-
-
 # --------------------------------------------------------------------------------------------------- main
 def setup(args: argparse.Namespace) -> dict[str, Any]:
     """Rank, device and CUDA switches, as the TRL script sets them."""
@@ -737,7 +449,7 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     total_steps = args.warmup + args.steps
     pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed)
     model = build_model(args, ctx["device"])
-    ctx["params"] = _params(model)
+    ctx["params"] = param_counts(model)
     ref_model = copy.deepcopy(model) if args.reference != "free" and args.ref_source == "explicit" else None
     bf16 = ctx["cuda"] and not args.tiny
     config = build_config(args, ctx["bs"], total_steps, bf16)
