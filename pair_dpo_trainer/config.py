@@ -21,6 +21,7 @@ from pair_dpo_trainer.integrity.layout import is_pinned_revision
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
 from pair_dpo_trainer.modeling.attention import BACKENDS
 from pair_dpo_trainer.modeling.compile import compile_mode_problem
+from pair_dpo_trainer.reference.engine import ref_zero_stage_problem
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
 
@@ -211,8 +212,9 @@ class PairDPOConfig(TrainingArguments):
         stage = self.ref_zero_stage
         if stage is None:
             return []
-        if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (0, 3):
-            return [("bad_ref_zero_stage", f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3.")]
+        problem = ref_zero_stage_problem(stage)
+        if problem is not None:
+            return [("bad_ref_zero_stage", problem)]
         if stage == 0 and self.ref_offload_params:
             return [
                 (

@@ -70,6 +70,13 @@ def hidden_size_of(config: Any) -> int | None:
     return None
 
 
+def ref_zero_stage_problem(stage: Any) -> str | None:
+    """Why ``ref_zero_stage=stage`` is not a valid value (None, or the int 0 or 3), or None when it is."""
+    if stage is None or (isinstance(stage, int) and not isinstance(stage, bool) and stage in (0, 3)):
+        return None
+    return f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3."
+
+
 def reference_zero_stage(
     train_config: Mapping[str, Any], *, zero_stage: int | None, offload_params: bool | None
 ) -> int:
@@ -85,8 +92,9 @@ def reference_zero_stage(
         ConfigError: ``bad_ref_zero_stage`` for a stage other than None, 0 or 3; ``unsupported_combination`` for
             ``ref_zero_stage=3`` without a ZeRO-3 policy, or ``ref_offload_params=True`` with a stage 0 reference.
     """
-    if zero_stage not in (None, 0, 3) or isinstance(zero_stage, bool):
-        raise ConfigError("bad_ref_zero_stage", f"ref_zero_stage={zero_stage!r}: use None (follow the policy), 0 or 3.")
+    problem = ref_zero_stage_problem(zero_stage)
+    if problem is not None:
+        raise ConfigError("bad_ref_zero_stage", problem)
     policy_stage = (train_config.get("zero_optimization") or {}).get("stage", 0)
     if policy_stage != 3 and zero_stage == 3:
         raise ConfigError(
