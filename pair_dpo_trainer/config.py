@@ -21,6 +21,7 @@ from pair_dpo_trainer.integrity.layout import is_pinned_revision
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
 from pair_dpo_trainer.modeling.attention import BACKENDS
 from pair_dpo_trainer.modeling.compile import compile_mode_problem
+from pair_dpo_trainer.modeling.zero3 import zero3_leaf_modules_problem
 from pair_dpo_trainer.reference.engine import ref_zero_stage_problem
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
@@ -126,6 +127,15 @@ class PairDPOConfig(TrainingArguments):
             "every GPU). 3: shard it (only with a ZeRO-3 policy)."
         },
     )
+    zero3_leaf_modules: str = field(
+        default="auto",
+        metadata={
+            "help": "DeepSpeed ZeRO-3 only: modules whose parameters are gathered as one unit (DeepSpeed leaf modules: "
+            "no hooks inside them). 'auto': every repeated decoder layer of the policy and of a ZeRO-3 reference "
+            "(a few hooks per layer instead of one per Linear/norm: far less host time per step; a whole layer "
+            "is gathered at a time). 'none': DeepSpeed's per-submodule hooks. Or comma-separated class names."
+        },
+    )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
@@ -208,8 +218,12 @@ class PairDPOConfig(TrainingArguments):
         return problems
 
     def _reference_engine_problems(self) -> list[tuple[str, str]]:
-        """``ref_zero_stage`` / ``ref_offload_params``; the DeepSpeed-dependent checks are in ``reference/``."""
+        """``zero3_leaf_modules``, ``ref_zero_stage`` / ``ref_offload_params``; the checks that need the DeepSpeed
+        configuration are in the trainer (``modeling.zero3``) and ``reference/``."""
         stage = self.ref_zero_stage
+        leaf_problem = zero3_leaf_modules_problem(self.zero3_leaf_modules)
+        if leaf_problem is not None:
+            return [("bad_zero3_leaf_modules", leaf_problem)]
         if stage is None:
             return []
         problem = ref_zero_stage_problem(stage)

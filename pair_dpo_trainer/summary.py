@@ -16,16 +16,18 @@ def reference_mode(args: Any, source: Any) -> str:
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
 
 
-def run_summary(args: Any, *, attn_backend: str, source: Any) -> str:
-    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision.
+def run_summary(args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes: tuple[str, ...] = ()) -> str:
+    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, and
+    the ZeRO-3 leaf module classes when there are any.
 
     Example:
         ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
         reference online, verified revision fc70...``
     """
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
         f"{args.gradient_accumulation_steps} micro-batches) | attention {attn_backend} | "
-        f"reference {reference_mode(args, source)} | loss {args.loss_type}, beta={args.beta}"
+        f"reference {reference_mode(args, source)} | loss {args.loss_type}, beta={args.beta}{leaves}"
     )

@@ -37,6 +37,7 @@ from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
@@ -97,6 +98,8 @@ class PairDPOTrainer(Trainer):
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
+        self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3)
         self.reference_manager = ReferenceManager(  # builds the reference now unless DeepSpeed / precompute (lazy)
             args,
             model,
@@ -146,7 +149,13 @@ class PairDPOTrainer(Trainer):
         self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
         self._compile_layers()
         if self.is_world_process_zero():
-            print(run_summary(self.args, attn_backend=self.attn_backend, source=self.reference_source), flush=True)
+            summary = run_summary(
+                self.args,
+                attn_backend=self.attn_backend,
+                source=self.reference_source,
+                zero3_leaf_classes=self.zero3_leaf_classes,
+            )
+            print(summary, flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:

@@ -151,6 +151,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PairDPOConfig.ref_zero_stage under DeepSpeed (0: replicated reference engine, 3: sharded; default: "
         "follow the policy), when this version of the package has the field",
     )
+    p.add_argument(
+        "--zero3-leaf-modules",
+        help="PairDPOConfig.zero3_leaf_modules under ZeRO-3 ('auto': decoder layers, 'none', or class names)",
+    )
     p.add_argument("--logps-chunk-size", type=int, default=4096)
     p.add_argument("--ceiling", action="store_true", help="also time the raw packed fwd+bwd (+ref fwd) loop")
     p.add_argument(
@@ -314,6 +318,8 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         if "ref_zero_stage" not in fields:
             raise SystemExit("--ref-zero-stage needs PairDPOConfig.ref_zero_stage (not in this version)")
         kwargs["ref_zero_stage"] = args.ref_zero_stage
+    if args.zero3_leaf_modules is not None:
+        kwargs["zero3_leaf_modules"] = args.zero3_leaf_modules
     if args.reference == "precomputed":
         if "precompute_ref_logps" not in fields:
             raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
@@ -397,6 +403,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "grad_accum": args.ga,
         "reference_backend": type(trainer.reference).__name__,
         "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
+        "zero3_leaf_classes": list(getattr(trainer, "zero3_leaf_classes", ())),
         **step_stats(dts),
         "inner_step_median_s": round(statistics.median(inner), 4),
         "real_tokens_per_step": round(real / steps, 1),

@@ -4,8 +4,9 @@ One launch runs every phase in order (each writes its result under OUT_DIR; the 
 runs without DeepSpeed):
 
   free / std: reference-free and standard DPO, 6 steps, DP=2 x GA=2 on the same global batch of 8 pairs as the test's
-      DP=1 x GA=2 runs. ``std`` also records how the policy and the reference engine are partitioned, the reference
-      digest before and after training, and saves checkpoint-3.
+      DP=1 x GA=2 runs. ``std`` also records how the policy and the reference engine are partitioned (and which
+      modules are ZeRO-3 leaves), the reference digest before and after training, and saves checkpoint-3.
+  noleaf: ``std`` with ``zero3_leaf_modules="none"`` (DeepSpeed's per-submodule hooks, no leaf decoder layers).
   pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
   pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
@@ -87,13 +88,25 @@ def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def partitioning(model: torch.nn.Module) -> dict[str, Any]:
-    """How many parameters are ZeRO-3 partitioned (a slice per rank, not kept whole) and how many are frozen."""
+    """How many parameters are ZeRO-3 partitioned (a slice per rank, not kept whole) and how many are frozen; which
+    modules are ZeRO-3 leaves, and how many modules inside / outside the leaves carry DeepSpeed's forward hooks."""
     params = list(model.parameters())
     sliced = [
         hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel and not getattr(p, "ds_persist", False)
         for p in params
     ]
-    return {"count": len(params), "sliced": sum(sliced), "frozen": sum(not p.requires_grad for p in params)}
+    leaves = [m for m in model.modules() if getattr(m, "_z3_leaf", False)]
+    inside = {id(c) for leaf in leaves for c in leaf.modules() if c is not leaf}
+    hooked = [m for m in model.modules() if m._forward_pre_hooks and any(True for _ in m.parameters(recurse=False))]
+    return {
+        "count": len(params),
+        "sliced": sum(sliced),
+        "frozen": sum(not p.requires_grad for p in params),
+        "leaf_classes": sorted({type(m).__name__ for m in leaves}),
+        "leaves": len(leaves),
+        "hooked_inside_leaves": sum(id(m) in inside for m in hooked),
+        "hooked_outside_leaves": sum(id(m) not in inside for m in hooked),
+    }
 
 
 def reference_logps(trainer: PairDPOTrainer) -> list[float]:
@@ -133,6 +146,17 @@ def run_std(out_dir: Path) -> dict[str, Any]:
         "reference_logps": reference_logps(trainer),
         "identity": trainer.reference_identity.to_dict(),
         "policy_is_engine": type(trainer.model_wrapped).__name__,
+    }
+
+
+def run_noleaf(out_dir: Path) -> dict[str, Any]:
+    """``std`` with ``zero3_leaf_modules="none"``: DeepSpeed's per-submodule hooks instead of leaf decoder layers."""
+    trainer = _trained(out_dir / "noleaf", zero3_leaf_modules="none")
+    return {
+        "losses": losses(trainer),
+        "params": full_parameters(trainer.model),
+        "policy_partitioning": partitioning(trainer.model),
+        "reference_partitioning": partitioning(trainer.reference.model),
     }
 
 
@@ -193,6 +217,7 @@ def main() -> None:
 
     timed("free", lambda: {"losses": losses(_trained(out_dir / "free", reference_free=True))})
     timed("std", run_std, out_dir)
+    timed("noleaf", run_noleaf, out_dir)
     cache = str(out_dir / "ref_logps_cache")
     timed("pre", lambda: _pre(out_dir, cache))
     timed("resume", run_resumed, out_dir, "resume")

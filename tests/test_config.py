@@ -41,6 +41,9 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"ref_zero_stage": 2}, "bad_ref_zero_stage"),
         ({"ref_zero_stage": True}, "bad_ref_zero_stage"),
         ({"ref_zero_stage": 0, "ref_offload_params": True}, "unsupported_combination"),
+        ({"zero3_leaf_modules": "Llama Decoder"}, "bad_zero3_leaf_modules"),
+        ({"zero3_leaf_modules": ""}, "bad_zero3_leaf_modules"),
+        ({"zero3_leaf_modules": "LlamaDecoderLayer,"}, "bad_zero3_leaf_modules"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):

@@ -135,6 +135,22 @@ def test_both_models_are_partitioned_the_reference_is_frozen_and_unchanged(zero3
     assert before == after and before is not None
 
 
+def test_leaf_decoder_layers_have_no_hooks_inside_and_train_exactly_like_per_submodule_hooks(zero3):
+    """zero3_leaf_modules="auto" (std) makes both engines' decoder layers ZeRO-3 leaves: DeepSpeed hooks only
+    outside them. "none" (noleaf) hooks every submodule. The runs are the same computation: equal losses and
+    parameters."""
+    results, _ = zero3
+    std, noleaf = results["std"], results["noleaf"]
+    for part in (std["policy_partitioning"], std["reference_partitioning"]):
+        assert part["leaf_classes"] == ["LlamaDecoderLayer"] and part["leaves"] == 2  # tiny_llama: 2 layers
+        assert part["hooked_inside_leaves"] == 0 and part["hooked_outside_leaves"] > 0
+    hooked_with_leaves = std["policy_partitioning"]["hooked_outside_leaves"]
+    for part in (noleaf["policy_partitioning"], noleaf["reference_partitioning"]):
+        assert part["leaves"] == 0 and part["hooked_outside_leaves"] > hooked_with_leaves
+    assert noleaf["losses"] == pytest.approx(std["losses"], abs=1e-6)
+    assert _max_diff(noleaf["params"], std["params"]) < 1e-4  # other gradient bucketing: Adam-amplified 1e-7 noise
+
+
 def test_resume_under_zero3_equals_the_uninterrupted_run(zero3):
     results, _ = zero3
     std = results["std"]

@@ -29,6 +29,7 @@ import torch
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import unwrap_model
+from pair_dpo_trainer.modeling.layers import find_decoder_layers
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 """``torch_compile_mode`` values without CUDA graphs (None is "default")."""
@@ -45,33 +46,19 @@ def compile_mode_problem(mode: str | None) -> str | None:
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The repeated decoder layers of a transformers causal LM (``get_decoder().layers``, or the longest ModuleList
-    of identical blocks named in ``_no_split_modules``).
+    """The repeated decoder layers to compile (:func:`~pair_dpo_trainer.modeling.layers.find_decoder_layers`).
 
     Raises:
         ConfigError: ``compile_unsupported`` when no repeated block list is found.
     """
-    target = unwrap_model(model)
-    decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
-    layers = getattr(decoder, "layers", None)
-    if isinstance(layers, torch.nn.ModuleList) and len(layers) > 0:
-        return layers
-    block_names = set(getattr(target, "_no_split_modules", None) or ())
-    candidates = [
-        m
-        for m in target.modules()
-        if isinstance(m, torch.nn.ModuleList)
-        and len(m) > 0
-        and len({type(c) for c in m}) == 1
-        and type(m[0]).__name__ in block_names
-    ]
-    if not candidates:
+    layers = find_decoder_layers(model)
+    if layers is None:
         raise ConfigError(
             "compile_unsupported",
-            f"torch_compile=True compiles the repeated decoder layers, but {type(target).__name__} has none that "
-            "pair_dpo_trainer recognises: set torch_compile=False.",
+            f"torch_compile=True compiles the repeated decoder layers, but {type(unwrap_model(model)).__name__} has "
+            "none that pair_dpo_trainer recognises: set torch_compile=False.",
         )
-    return max(candidates, key=len)
+    return layers
 
 
 def compile_decoder_layers(

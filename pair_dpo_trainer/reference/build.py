@@ -89,4 +89,6 @@ def _deepspeed_reference(
         with reference_zero_init(config):
             ref_model = load_reference_model(policy, source.directory if source is not None else None)
     enable_pair_varlen(ref_model, args.attn_backend)
-    return build_deepspeed_reference(ref_model, config=config, chunk_size=args.logps_chunk_size)
+    return build_deepspeed_reference(
+        ref_model, config=config, chunk_size=args.logps_chunk_size, leaf_modules=args.zero3_leaf_modules
+    )

@@ -47,6 +47,7 @@ import torch
 from pair_dpo_trainer.collators.packed import PackedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
+from pair_dpo_trainer.modeling.zero3 import mark_zero3_leaf_modules
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,7 @@ class DeepSpeedReference:
     Args:
         engine: The reference's ``DeepSpeedEngine`` (built by :func:`build_deepspeed_reference`).
         chunk_size: Tokens per chunk of the log-prob computation.
+        leaf_modules: ``PairDPOConfig.zero3_leaf_modules``, applied to a stage 3 engine (see ``modeling.zero3``).
     """
 
     def __init__(self, engine: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
@@ -245,7 +247,7 @@ def reference_zero_init(config: Mapping[str, Any]) -> Iterator[None]:
 
 
 def build_deepspeed_reference(
-    model: torch.nn.Module, *, config: Mapping[str, Any], chunk_size: int
+    model: torch.nn.Module, *, config: Mapping[str, Any], chunk_size: int, leaf_modules: str = "auto"
 ) -> DeepSpeedReference:
     """Wraps a loaded reference model (packed attention configured) in its own inference-only engine.
 
@@ -256,7 +258,8 @@ def build_deepspeed_reference(
         chunk_size: Tokens per chunk of the log-prob computation.
 
     Raises:
-        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned model with a stage 0 configuration.
+        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned model with a stage 0 configuration;
+            ``zero3_leaf_modules_not_found`` (:func:`~pair_dpo_trainer.modeling.zero3.mark_zero3_leaf_modules`).
     """
     import deepspeed
 
@@ -268,6 +271,8 @@ def build_deepspeed_reference(
             "a ref_model object, or leave ref_zero_stage unset to shard it like the policy.",
         )
     model = model.eval().requires_grad_(False)
+    if config["zero_optimization"].get("stage") == 3:
+        mark_zero3_leaf_modules(model, leaf_modules)
     engine, *_ = deepspeed.initialize(model=model, config=dict(config))
     engine.eval()
     logger.info("reference engine: ZeRO stage %s", config["zero_optimization"]["stage"])
