@@ -39,6 +39,7 @@ from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
+from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
@@ -99,7 +100,8 @@ class PairDPOTrainer(Trainer):
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
-        self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3)
+        peft = is_peft_model(model)
+        self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3, peft=peft)
         self.reference_manager = ReferenceManager(  # builds the reference now unless DeepSpeed / precompute (lazy)
             args,
             model,

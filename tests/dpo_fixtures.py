@@ -30,6 +30,15 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).float()
 
 
+def tiny_lora_llama(seed: int = 0) -> torch.nn.Module:
+    """:func:`tiny_llama` with LoRA adapters on ``q_proj`` / ``v_proj`` (rank 4, no dropout, B = 0: the policy equals
+    its adapter-disabled reference at step 0). Needs ``peft``."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return peft.get_peft_model(tiny_llama(seed), config)
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A tokenizer object for the Trainer's bookkeeping (pairs are given as token ids)."""
     vocab = {f"t{i}": i for i in range(VOCAB)}

@@ -7,6 +7,7 @@ runs without DeepSpeed):
       DP=1 x GA=2 runs. ``std`` also records how the policy and the reference engine are partitioned (and which
       modules are ZeRO-3 leaves), the reference digest before and after training, and saves checkpoint-3.
   noleaf: ``std`` with ``zero3_leaf_modules="none"`` (DeepSpeed's per-submodule hooks, no leaf decoder layers).
+  peft: a LoRA policy (reference = adapters disabled) with the default ``zero3_leaf_modules``: no leaves for PEFT.
   pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
   pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
@@ -40,7 +41,7 @@ from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48
 GLOBAL_PAIRS = 8
@@ -160,6 +161,16 @@ def run_noleaf(out_dir: Path) -> dict[str, Any]:
     }
 
 
+def run_peft(out_dir: Path) -> dict[str, Any]:
+    """A LoRA policy under ZeRO-3 (reference: the policy with adapters disabled), ``zero3_leaf_modules="auto"``."""
+    trainer = _trained(out_dir / "peft", model=tiny_lora_llama(0))
+    return {
+        "losses": losses(trainer),
+        "leaf_classes": list(trainer.zero3_leaf_classes),
+        "policy_partitioning": partitioning(trainer.model),
+    }
+
+
 def run_replicated(out_dir: Path, std: dict[str, Any]) -> dict[str, Any]:
     """``std`` resumed from checkpoint-3 with a replicated (stage 0) reference, checked against ``std``."""
     trainer = build_trainer(out_dir / "replicated", world_size=2, ref_zero_stage=0)
@@ -232,6 +243,7 @@ def main() -> None:
     timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
     timed("pinned", run_pinned, out_dir, rank)
     timed("compile", run_compile_refused, out_dir)
+    timed("peft", run_peft, out_dir)
     replicated = {k: v for k, v in results["replicated"].items() if k != "params"}
     per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned", "compile")}
     per_rank["replicated"] = replicated

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pair_dpo_trainer.integrity import parameter_digest
+from tests.dpo_fixtures import tiny_lora_llama
 from tests.ds_worker import build_trainer, losses
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
@@ -101,7 +102,7 @@ def dp1(tmp_path_factory):
     """The same runs in one process without DeepSpeed (DP=1 x GA=2, same global batch)."""
     root = tmp_path_factory.mktemp("dp1")
     runs = {}
-    for name, options in (("free", {"reference_free": True}), ("std", {})):
+    for name, options in (("free", {"reference_free": True}), ("std", {}), ("peft", {"model": tiny_lora_llama(0)})):
         trainer = build_trainer(root / name, world_size=1, **options)
         trainer.train()
         runs[name] = {"losses": losses(trainer), "params": dict(trainer.model.named_parameters())}
@@ -149,6 +150,16 @@ def test_leaf_decoder_layers_have_no_hooks_inside_and_train_exactly_like_per_sub
         assert part["leaves"] == 0 and part["hooked_outside_leaves"] > hooked_with_leaves
     assert noleaf["losses"] == pytest.approx(std["losses"], abs=1e-6)
     assert _max_diff(noleaf["params"], std["params"]) < 1e-4  # other gradient bucketing: Adam-amplified 1e-7 noise
+
+
+def test_lora_policy_under_zero3_gets_no_leaves_and_matches_dp1(zero3, dp1):
+    """DeepSpeed reduces a leaf's gradients before LoRA weight gradients are accumulated (backward fails), so "auto"
+    gives a PEFT policy per-submodule hooks; the run then matches DP=1 without DeepSpeed."""
+    results, _ = zero3
+    peft_run = results["peft"]
+    assert peft_run["leaf_classes"] == [] and peft_run["policy_partitioning"]["leaves"] == 0
+    assert peft_run["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert peft_run["losses"] == pytest.approx(dp1["peft"]["losses"], abs=1e-5)
 
 
 def test_resume_under_zero3_equals_the_uninterrupted_run(zero3):

@@ -80,6 +80,16 @@ def test_without_zero3_only_auto_and_none_are_accepted_and_nothing_is_flagged(tm
     assert info.value.reason_code == "unsupported_combination" and "zero3_leaf_modules" in str(info.value)
 
 
+def test_a_peft_policy_gets_no_leaves_and_named_leaves_are_refused_for_it() -> None:
+    """DeepSpeed would reduce a leaf's gradients before the LoRA weight gradients exist (see zero3_leaf_setup)."""
+    model = tiny_llama()
+    assert zero3_leaf_setup(model, "auto", zero3=True, peft=True) == () and _flagged(model) == []
+    with pytest.raises(ConfigError) as info:
+        zero3_leaf_setup(model, "LlamaDecoderLayer", zero3=True, peft=True)
+    assert info.value.reason_code == "unsupported_combination" and "PEFT" in str(info.value)
+    assert zero3_leaf_setup(model, "auto", zero3=True) == ("LlamaDecoderLayer",)
+
+
 @pytest.mark.parametrize("value", ["auto", "none", "LlamaDecoderLayer", "a.b.C, D"])
 def test_valid_settings(value: str) -> None:
     assert zero3_leaf_modules_problem(value) is None
