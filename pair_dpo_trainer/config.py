@@ -133,7 +133,8 @@ class PairDPOConfig(TrainingArguments):
             "help": "DeepSpeed ZeRO-3 only: modules whose parameters are gathered as one unit (DeepSpeed leaf modules: "
             "no hooks inside them). 'auto': every repeated decoder layer of the policy and of a ZeRO-3 reference "
             "(a few hooks per layer instead of one per Linear/norm: far less host time per step; a whole layer "
-            "is gathered at a time). 'none': DeepSpeed's per-submodule hooks. Or comma-separated class names."
+            "is gathered at a time); none for a PEFT policy. 'none': DeepSpeed's per-submodule hooks. Or "
+            "comma-separated class names (not with PEFT)."
         },
     )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
