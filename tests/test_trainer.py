@@ -12,6 +12,7 @@ from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.logprobs import padded_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference, NoReference
+from pair_dpo_trainer.summary import run_summary
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 
@@ -138,6 +139,9 @@ def test_training_start_prints_a_one_line_summary(tmp_path, capsys):
     summary = lines[0]
     for part in ("world_size=1", "8 pairs/step", "in 2 micro-batches", "attention sdpa_segments", "online, unpinned"):
         assert part in summary, summary
+    assert "leaf" not in summary and trainer.zero3_leaf_classes == ()  # no ZeRO-3: no leaf modules
+    with_leaves = run_summary(trainer.args, attn_backend="x", source=None, zero3_leaf_classes=("LlamaDecoderLayer",))
+    assert with_leaves.endswith("| ZeRO-3 leaf modules LlamaDecoderLayer")
 
 
 def test_floating_point_ops_count_non_embedding_parameters_once(tmp_path):
