@@ -7,6 +7,7 @@ runs without DeepSpeed):
       DP=1 x GA=2 runs. ``std`` also records how the policy and the reference engine are partitioned (and which
       modules are ZeRO-3 leaves), the reference digest before and after training, and saves checkpoint-3.
   noleaf: ``std`` with ``zero3_leaf_modules="none"`` (DeepSpeed's per-submodule hooks, no leaf decoder layers).
+  checkpointed: ``std`` with gradient checkpointing (each leaf decoder layer recomputed in backward).
   peft: a LoRA policy (reference = adapters disabled) with the default ``zero3_leaf_modules``: no leaves for PEFT.
   pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
@@ -229,6 +230,7 @@ def main() -> None:
     timed("free", lambda: {"losses": losses(_trained(out_dir / "free", reference_free=True))})
     timed("std", run_std, out_dir)
     timed("noleaf", run_noleaf, out_dir)
+    timed("checkpointed", lambda: {"losses": losses(_trained(out_dir / "gc", gradient_checkpointing=True))})
     cache = str(out_dir / "ref_logps_cache")
     timed("pre", lambda: _pre(out_dir, cache))
     timed("resume", run_resumed, out_dir, "resume")

@@ -139,7 +139,7 @@ def test_both_models_are_partitioned_the_reference_is_frozen_and_unchanged(zero3
 def test_leaf_decoder_layers_have_no_hooks_inside_and_train_exactly_like_per_submodule_hooks(zero3):
     """zero3_leaf_modules="auto" (std) makes both engines' decoder layers ZeRO-3 leaves: DeepSpeed hooks only
     outside them. "none" (noleaf) hooks every submodule. The runs are the same computation: equal losses and
-    parameters."""
+    parameters; with gradient checkpointing too."""
     results, _ = zero3
     std, noleaf = results["std"], results["noleaf"]
     for part in (std["policy_partitioning"], std["reference_partitioning"]):
@@ -149,6 +149,7 @@ def test_leaf_decoder_layers_have_no_hooks_inside_and_train_exactly_like_per_sub
     for part in (noleaf["policy_partitioning"], noleaf["reference_partitioning"]):
         assert part["leaves"] == 0 and part["hooked_outside_leaves"] > hooked_with_leaves
     assert noleaf["losses"] == pytest.approx(std["losses"], abs=1e-6)
+    assert results["checkpointed"]["losses"] == pytest.approx(std["losses"], abs=1e-6)  # leaves recomputed in backward
     assert _max_diff(noleaf["params"], std["params"]) < 1e-4  # other gradient bucketing: Adam-amplified 1e-7 noise
 
 
