@@ -14,3 +14,15 @@ run() {
   timeout "$t" "$@" >> "$log" 2>&1; local rc=$?
   echo "=== rc=$rc $(($(date +%s) - t0))s" >> "$log"; echo "rc=$rc $(($(date +%s) - t0))s (t=$(($(date +%s) - START))s): $*"
 }
+# zero3_variant NAME KEY JSON_VALUE: /tmp/NAME.json = accelerate_configs/deepspeed/zero3_overlap.json with
+# zero_optimization.KEY set to JSON_VALUE, and /tmp/NAME.yaml = zero3_overlap.yaml pointing at it.
+zero3_variant() {
+  python3 -c "import json,sys; c=json.load(open('accelerate_configs/deepspeed/zero3_overlap.json')); \
+c['zero_optimization'][sys.argv[2]]=json.loads(sys.argv[3]); json.dump(c, open('/tmp/'+sys.argv[1]+'.json', 'w'))" "$@"
+  sed "s#accelerate_configs/deepspeed/zero3_overlap.json#/tmp/$1.json#" accelerate_configs/zero3_overlap.yaml > /tmp/$1.yaml
+}
+# versions of the stack into $OUT/env.log
+log_versions() {
+  python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version__,t.__version__,d.__version__)" \
+    > $OUT/env.log 2>&1
+}

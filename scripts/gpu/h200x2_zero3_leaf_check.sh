@@ -7,16 +7,10 @@
 # Device call: kind nvidia-h200-x2, carry [".whl", ".bench"], command `bash scripts/gpu/h200x2_zero3_leaf_check.sh`.
 # 7 files come back: env.log, ours_1p5b.log, results.jsonl, state_dp{1,2}_std.json, dp1_vs_dp2.png, all_logs.txt.
 START=$(date +%s); DEADLINE=$((START + 330))
-source scripts/gpu/common.sh  # environment, wheels, run()
+source scripts/gpu/common.sh  # environment, wheels, run(), zero3_variant, log_versions
 export OMP_NUM_THREADS=8
-python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version__,t.__version__,d.__version__)" > $OUT/env.log 2>&1
-python3 - <<'PY'
-import json
-config = json.load(open("accelerate_configs/deepspeed/zero3_overlap.json"))
-config["zero_optimization"]["stage3_param_persistence_threshold"] = 12_000_000
-json.dump(config, open("/tmp/zero3_persist.json", "w"))
-PY
-sed "s#accelerate_configs/deepspeed/zero3_overlap.json#/tmp/zero3_persist.json#" accelerate_configs/zero3_overlap.yaml > /tmp/zero3_persist.yaml
+log_versions
+zero3_variant zero3_persist stage3_param_persistence_threshold 12000000
 B="scripts/bench_dpo.py --no-cudnn-sdp --progress"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
 L="--model-size 1.5b --steps 10 --warmup 3 --ref-zero-stage 0"
 run 50 ours_1p5b.log $ONE $B --tag ours_1gpu_1p5b --model-size 1.5b --steps 10 --warmup 3

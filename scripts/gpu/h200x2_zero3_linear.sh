@@ -4,16 +4,10 @@
 # every F.linear becomes a Python autograd Function) and off. Device call: kind nvidia-h200-x2, carry [".whl", ".bench"],
 # command `bash scripts/gpu/h200x2_zero3_linear.sh`. 3 files come back: env.log, ours_1p5b.log, results.jsonl.
 START=$(date +%s); DEADLINE=$((START + 420))
-source scripts/gpu/common.sh  # environment, wheels, run()
+source scripts/gpu/common.sh  # environment, wheels, run(), zero3_variant, log_versions
 export OMP_NUM_THREADS=8
-python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version__,t.__version__,d.__version__)" > $OUT/env.log 2>&1
-python3 - <<'PY'
-import json
-config = json.load(open("accelerate_configs/deepspeed/zero3_overlap.json"))
-config["zero_optimization"]["memory_efficient_linear"] = False
-json.dump(config, open("/tmp/zero3_plainlinear.json", "w"))
-PY
-sed "s#accelerate_configs/deepspeed/zero3_overlap.json#/tmp/zero3_plainlinear.json#" accelerate_configs/zero3_overlap.yaml > /tmp/zero3_plainlinear.yaml
+log_versions
+zero3_variant zero3_plainlinear memory_efficient_linear false
 B="scripts/bench_dpo.py --no-cudnn-sdp --progress"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
 Z3T="accelerate launch --config_file accelerate_configs/zero3_overlap.yaml --num_processes 2"
 Z3P="accelerate launch --config_file /tmp/zero3_plainlinear.yaml --num_processes 2"
