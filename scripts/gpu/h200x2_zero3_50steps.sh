@@ -2,15 +2,13 @@
 # Run on the GPU machine from the repository root, carrying the wheels in .whl/ and ../shared/bench copied to .bench/
 # (see docs/bench_dpo_howto.md); results land in $OUT.
 # Two H200 with ZeRO-3: DP=1 vs DP=2, precomputed reference, resume, 50 steps (each run capped at 120 s: three were cut short, see docs/benchmarks.md).
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=8
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source scripts/gpu/common.sh  # environment, wheels, check_model, train_run
+export OMP_NUM_THREADS=8
 W=/tmp/z3; mkdir -p $W
-REV=$(python3 scripts/make_random_model.py --out $W/llama-0.5b --hidden 1024 --layers 24 --intermediate 5632 --heads 16 | tail -1)
-echo "revision: $REV"
-COMMON="--model_name_or_path $W/llama-0.5b --ref_model_revision $REV --max_steps 50 --bf16 true --learning_rate 5e-5 --lr_scheduler_type cosine --warmup_steps 5 --logging_steps 1 --eval_steps 50 --save_steps 25 --save_total_limit 4 --max_length 128 --max_prompt_length 64 --seed 0 --report_to none --disable_tqdm true"
+check_model $W/llama-0.5b
+COMMON="$CHECK_ARGS --max_steps 50 --eval_steps 50 --save_steps 25 --save_total_limit 4"
 Z="accelerate launch --config_file accelerate_configs/zero3.yaml"
-run() { local name=$1; shift; local t0=$(date +%s); timeout 120 "$@" --output_dir $W/$name > $W/$name.log 2>&1; echo "$name rc=$? $(( $(date +%s) - t0 ))s"; grep -h -E "Traceback|Error|reference_changed" $W/$name.log | head -5; cp $W/$name/trainer_state.json $OUT/state_$name.json 2>/dev/null; }
+run() { train_run 120 $W "$@"; }
 run dp1_std $Z --num_processes 1 --main_process_port 29601 train.py $COMMON --per_device_train_batch_size 16 --gradient_accumulation_steps 2
 run dp2_std $Z --num_processes 2 --main_process_port 29602 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2
 run dp2_pre $Z --num_processes 2 --main_process_port 29603 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --precompute_ref_logps true
