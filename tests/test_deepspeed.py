@@ -22,11 +22,11 @@ import torch
 from pair_dpo_trainer.integrity import parameter_digest
 from tests.dpo_fixtures import tiny_lora_llama
 from tests.ds_worker import build_trainer, losses
+from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
-PORT = 29641  # distinct from tests/test_distributed.py (29531) and accelerate_configs/cpu_2proc.yaml (29511)
 
 DS_CONFIG = {
     "train_micro_batch_size_per_gpu": "auto",
@@ -66,7 +66,7 @@ def zero3(tmp_path_factory):
     root = tmp_path_factory.mktemp("zero3")
     (root / "ds_config.json").write_text(json.dumps(DS_CONFIG))
     config = root / "accelerate.yaml"
-    config.write_text(ACCELERATE_CONFIG.format(ds_config=root / "ds_config.json", port=PORT))
+    config.write_text(ACCELERATE_CONFIG.format(ds_config=root / "ds_config.json", port=free_port()))
     out = root / "out"
     out.mkdir()
     env = {

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.dist_worker import NUM_PAIRS, run_layout
+from tests.ports import free_port
 
 pytestmark = pytest.mark.distributed
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +32,7 @@ def two_rank_results(tmp_path_factory):
         "--nproc_per_node",
         "2",
         "--master_port",
-        "29531",
+        str(free_port()),
         str(ROOT / "tests" / "dist_worker.py"),
         str(out_dir),
     ]
