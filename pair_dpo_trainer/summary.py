@@ -10,7 +10,7 @@ def reference_mode(args: Any, source: Any) -> str:
     ``replicated (ref_zero_stage=0)`` when asked for."""
     if args.reference_free:
         return "reference-free"
-    mode = "precomputed" if args.precompute_ref_logps else "online"
+    mode = "precomputed" if args.precompute_ref_log_probs else "online"
     revision = getattr(source, "revision", None)
     replicated = ", replicated (ref_zero_stage=0)" if getattr(args, "ref_zero_stage", None) == 0 else ""
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"

@@ -3,7 +3,7 @@
 Phases (each writes its result under OUT_DIR for the test process to compare):
   dp2_ga1 / dp2_ga2: one 5-step training run each (same global batch of 8 pairs as the test's DP=1, GA=2 run);
       rank 0 saves the gradient of the first optimizer step and the loss curve.
-  dp2_ga2_pre: dp2_ga2 with ``precompute_ref_logps`` (each rank computes its share, gathered over gloo): the same
+  dp2_ga2_pre: dp2_ga2 with ``precompute_ref_log_probs`` (each rank computes its share, gathered over gloo): the same
       loss curve as dp2_ga2 with the online reference.
   disagree: rank 1 loads one pair fewer; both ranks must raise ScheduleError('ranks_disagree'), not hang.
 """
@@ -78,7 +78,7 @@ def run_disagreement(out_dir: Path, rank: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    layouts = (("dp2_ga1", 1, {}), ("dp2_ga2", 2, {}), ("dp2_ga2_pre", 2, {"precompute_ref_logps": True}))
+    layouts = (("dp2_ga1", 1, {}), ("dp2_ga2", 2, {}), ("dp2_ga2_pre", 2, {"precompute_ref_log_probs": True}))
     for name, ga, options in layouts:
         result = run_layout(out_dir, name, world_size=2, ga=ga, **options)
         if dist.get_rank() == 0:

@@ -9,9 +9,9 @@ runs without DeepSpeed):
   noleaf: ``std`` with ``zero3_leaf_modules="none"`` (DeepSpeed's per-submodule hooks, no leaf decoder layers).
   checkpointed: ``std`` with gradient checkpointing (each leaf decoder layer recomputed in backward).
   peft: a LoRA policy (reference = adapters disabled) with the default ``zero3_leaf_modules``: no leaves for PEFT.
-  pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
+  pre: standard DPO with ``precompute_ref_log_probs`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
-  pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
+  pre_resume: the same resume with ``precompute_ref_log_probs`` and pre's cache: a hit, the reference is never built.
   tamper: resume from checkpoint-3 against another reference: ``reference_changed`` on every rank, before any step.
   disagree / disagree_pre: rank 1 loads one pair fewer: ``ranks_disagree`` on every rank within seconds.
   replicated: ``std`` resumed from its checkpoint-3 with ``ref_zero_stage=0`` (the reference a stage 0 engine, whole
@@ -234,7 +234,7 @@ def main() -> None:
     cache = str(out_dir / "ref_logps_cache")
     timed("pre", lambda: _pre(out_dir, cache))
     timed("resume", run_resumed, out_dir, "resume")
-    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_log_probs=True, ref_logps_cache_dir=cache)
     timed("replicated", run_replicated, out_dir, results["std"])
     replicated_cache = str(out_dir / "cache_replicated")
     timed("pre_replicated", lambda: _pre(out_dir / "pre_replicated", replicated_cache, ref_zero_stage=0))
@@ -242,7 +242,7 @@ def main() -> None:
     timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
     short = synthetic_pairs(NUM_PAIRS - rank)
     timed("disagree", run_failing, out_dir, "disagree", pairs=short)
-    timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
+    timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_log_probs=True)
     timed("pinned", run_pinned, out_dir, rank)
     timed("compile", run_compile_refused, out_dir)
     timed("peft", run_peft, out_dir)
@@ -308,7 +308,7 @@ def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:
 
 
 def _pre(out_dir: Path, cache: str, **kwargs: Any) -> dict[str, Any]:
-    trainer = _trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache, **kwargs)
+    trainer = _trained(out_dir / "pre", precompute_ref_log_probs=True, ref_logps_cache_dir=cache, **kwargs)
     return {
         "losses": losses(trainer),
         "builds": trainer.reference_manager.builds,
