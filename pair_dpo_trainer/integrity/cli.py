@@ -15,10 +15,10 @@ import sys
 from typing import Any
 
 from pair_dpo_trainer.errors import SnapshotIntegrityError
-from pair_dpo_trainer.integrity.snapshot import verify_snapshot
+from pair_dpo_trainer.integrity.snapshot import VerifiedSnapshot, verify_snapshot
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -41,11 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-pickle", action="store_true", help="Accept .bin (pickle) weights when no safetensors exist."
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=None, help="Hashing threads (default: one per CPU core)."
+        "--threads", type=positive_int, default=None, help="Hashing threads (default: one per CPU core)."
     )
 
 
-class _Progress:
+class Progress:
     """Lazily created tqdm byte bar on stderr (only when stderr is a terminal)."""
 
     def __init__(self, enabled: bool) -> None:
@@ -67,9 +67,22 @@ class _Progress:
             self.bar = None
 
 
+def snapshot_summary(snapshot: VerifiedSnapshot) -> dict[str, Any]:
+    """The ``--json`` object of a verified (or pinned) snapshot."""
+    return {
+        "ok": True,
+        "revision": snapshot.revision,
+        "root": str(snapshot.root),
+        "manifest_digest": snapshot.manifest_digest,
+        "file_count": len(snapshot.files),
+        "total_bytes": snapshot.total_bytes,
+        "weight_files": list(snapshot.weight_files),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``verify-snapshot``; returns 0 (verified) or 1 (rejected)."""
-    progress = _Progress(enabled=sys.stderr.isatty())
+    progress = Progress(enabled=sys.stderr.isatty())
     try:
         snapshot = verify_snapshot(
             args.path,
@@ -88,16 +101,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     progress.close()
     if args.as_json:
-        result = {
-            "ok": True,
-            "revision": snapshot.revision,
-            "root": str(snapshot.root),
-            "manifest_digest": snapshot.manifest_digest,
-            "file_count": len(snapshot.files),
-            "total_bytes": snapshot.total_bytes,
-            "weight_files": list(snapshot.weight_files),
-        }
-        print(json.dumps(result, sort_keys=True))
+        print(json.dumps(snapshot_summary(snapshot), sort_keys=True))
     else:
         print(
             f"VERIFIED {snapshot.root} @ {snapshot.revision}\n"
