@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import hashlib
-import json
 import os
 import time
 from pathlib import Path
 
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.errors import SnapshotIntegrityError
-from pair_dpo_trainer.integrity.cli import Progress, positive_int, snapshot_summary
+from pair_dpo_trainer.integrity.cli import positive_int, run_snapshot_command
 from pair_dpo_trainer.integrity.completeness import check_completeness
 from pair_dpo_trainer.integrity.hashing import HashJob, ProgressFn, verify_hashes
 from pair_dpo_trainer.integrity.layout import (
@@ -152,27 +151,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Runs ``pin``; returns 0 (pinned, the revision printed) or 1 (refused, the reason code printed)."""
-    progress = Progress(enabled=os.isatty(2))
-    try:
-        snapshot = pin_snapshot(
+
+    def pin(progress: ProgressFn) -> VerifiedSnapshot:
+        return pin_snapshot(
             args.path, threads=args.threads, allow_pickle=args.allow_pickle, force=args.force, progress=progress
         )
-    except SnapshotIntegrityError as exc:
-        progress.close()
-        if args.as_json:
-            print(json.dumps({"ok": False, "reason_code": exc.reason_code, "path": exc.path, "message": exc.message}))
-        else:
-            print(f"REFUSED [{exc.reason_code}] path: {exc.path or '-'}\n  {exc.message}")
-        return 1
-    progress.close()
-    if args.as_json:
-        print(json.dumps(snapshot_summary(snapshot), sort_keys=True))
-    else:
-        print(
-            f"PINNED {snapshot.root} @ {snapshot.revision}\n"
-            f"  files: {len(snapshot.files)} ({snapshot.total_bytes} bytes), weights: "
-            f"{', '.join(snapshot.weight_files)}\n"
-            f"  train against it with: --ref_model_revision {snapshot.revision}\n"
+
+    def detail(snapshot: VerifiedSnapshot) -> str:
+        return (
+            f"train against it with: --ref_model_revision {snapshot.revision}\n"
             f'  (PairDPOConfig(ref_model_revision="{snapshot.revision}")); a later change to the directory is refused.'
         )
-    return 0
+
+    return run_snapshot_command(pin, as_json=args.as_json, done="PINNED", refused="REFUSED", detail=detail)
