@@ -27,6 +27,13 @@ from pair_dpo_trainer.options import config_field_names, reject_unsupported_opti
 from pair_dpo_trainer.reference.engine import ref_zero_stage_problem
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
+DEFAULT_MAX_PROMPT_LENGTH = 512
+
+
+def default_max_prompt_length(max_length: int) -> int:
+    """``max_prompt_length`` when unset: 512 (prepare-data's default) if that leaves room for a completion, else half
+    of ``max_length`` (a TRL user sets only ``max_length``, e.g. 128)."""
+    return DEFAULT_MAX_PROMPT_LENGTH if max_length > DEFAULT_MAX_PROMPT_LENGTH else max_length // 2
 
 
 @dataclass
@@ -82,8 +89,9 @@ class PairDPOConfig(TrainingArguments):
     max_prompt_length: int | None = field(
         default=None,
         metadata={
-            "help": "Maximum prompt tokens; longer prompts keep their end (left truncation). None: max_length // 2 "
-            "(512 for the default max_length 1024), so setting only max_length, as TRL users do, stays valid."
+            "help": "Maximum prompt tokens; longer prompts keep their end (left truncation). None: 512 (prepare-data's "
+            "default), or max_length // 2 when max_length <= 512, so setting only max_length (TRL has no prompt "
+            "limit) stays valid."
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -185,7 +193,7 @@ class PairDPOConfig(TrainingArguments):
 
     def __post_init__(self) -> None:
         if self.max_prompt_length is None and isinstance(self.max_length, int):
-            self.max_prompt_length = self.max_length // 2
+            self.max_prompt_length = default_max_prompt_length(self.max_length)
         problems = self._pair_dpo_problems()
         if problems:
             code = problems[0][0] if len(problems) == 1 else "invalid_config"

@@ -129,7 +129,8 @@ def test_every_default_that_differs_from_training_arguments_is_in_the_one_table(
 def test_dpo_defaults(tmp_path):
     config = PairDPOConfig(output_dir=str(tmp_path))
     assert config.learning_rate == 1e-6 and config.logging_steps == 10
-    assert config.max_prompt_length == config.max_length // 2 == 512
+    assert config.max_prompt_length == 512  # as before, and prepare-data's default
+    assert PairDPOConfig(output_dir=str(tmp_path), max_length=4096).max_prompt_length == 512
     assert PairDPOConfig(output_dir=str(tmp_path), max_length=128).max_prompt_length == 64  # TRL users set max_length
 
 
