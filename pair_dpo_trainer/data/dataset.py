@@ -16,7 +16,7 @@ def is_tokenized(dataset: Any) -> bool:
 
 
 def as_pair_dataset(
-    dataset: Any, tokenizer: Any, *, max_length: int, max_prompt_length: int, max_pair_tokens: int | None
+    dataset: Any, tokenizer: Any, *, max_length: int, max_prompt_length: int, max_tokens_per_microbatch: int | None
 ) -> Any:
     """Returns tokenised pairs: ``dataset`` itself when already tokenised, else its rows normalised and tokenised.
 
@@ -26,7 +26,8 @@ def as_pair_dataset(
     Args:
         dataset: Preference rows in any supported shape, or tokenised pairs.
         tokenizer: Tokenizer with a chat template.
-        max_length / max_prompt_length / max_pair_tokens: See :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch: See
+            :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
 
     Returns:
         A sequence of feature dicts (or the given tokenised dataset).
@@ -38,7 +39,7 @@ def as_pair_dataset(
         tokenizer,
         max_length=max_length,
         max_prompt_length=max_prompt_length,
-        max_pair_tokens=max_pair_tokens,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
         strict=True,
         desc="train/eval dataset",
     )

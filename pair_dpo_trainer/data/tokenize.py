@@ -104,7 +104,7 @@ def tokenize_pair(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
 ) -> TokenizedPair:
     """Tokenises and truncates one normalised pair.
 
@@ -113,7 +113,7 @@ def tokenize_pair(
         tokenizer: A Hugging Face tokenizer with a chat template and an ``eos_token_id``.
         max_length: Maximum tokens of one sequence (prompt + one completion).
         max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
-        max_pair_tokens: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
+        max_tokens_per_microbatch: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
             of one packed micro-batch).
 
     Returns:
@@ -131,12 +131,12 @@ def tokenize_pair(
         >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
         ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
     """
-    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
     eos = _eos_token_id(tokenizer)
     prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
     chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
     rejected = _completion_ids(tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected")
-    return _truncate(prompt_ids, chosen, rejected, max_length, max_prompt_length, max_pair_tokens)
+    return _truncate(prompt_ids, chosen, rejected, max_length, max_prompt_length, max_tokens_per_microbatch)
 
 
 def _truncate(
@@ -145,7 +145,7 @@ def _truncate(
     rejected: list[int],
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None,
+    max_tokens_per_microbatch: int | None,
 ) -> TokenizedPair:
     """Left-truncates the prompt, right-truncates the completions, then checks the pair."""
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
@@ -165,11 +165,11 @@ def _truncate(
             f"the chosen and rejected completions {detail}; the pair carries no preference signal "
             "(drop it, or raise max_length / lower max_prompt_length if they differ later).",
         )
-    if max_pair_tokens is not None and truncated.cost > max_pair_tokens:
+    if max_tokens_per_microbatch is not None and truncated.cost > max_tokens_per_microbatch:
         raise PreferenceRowError(
             "pair_too_long",
             f"the pair costs {truncated.cost} tokens (2 x prompt + chosen + rejected), more than "
-            f"max_pair_tokens={max_pair_tokens}; lower max_length / max_prompt_length or raise the "
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch}; lower max_length / max_prompt_length or raise the "
             "micro-batch token budget.",
         )
     return truncated
@@ -181,7 +181,7 @@ def tokenize_dataset(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
     strict: bool = False,
     keep_pairs: bool = False,
     progress: bool | None = None,
@@ -194,7 +194,7 @@ def tokenize_dataset(
         tokenizer: A Hugging Face tokenizer with a chat template.
         max_length: See :func:`tokenize_pair`.
         max_prompt_length: See :func:`tokenize_pair`.
-        max_pair_tokens: See :func:`tokenize_pair`.
+        max_tokens_per_microbatch: See :func:`tokenize_pair`.
         strict: Raise the first :class:`PreferenceRowError` (its message names the row) instead of
             counting it.
         keep_pairs: Also return the normalised pair of every accepted row.
@@ -210,13 +210,13 @@ def tokenize_dataset(
         >>> result.num_accepted, dict(result.rejections)  # doctest: +SKIP
         (1, {'schema': 1})
     """
-    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
     tokenize = functools.partial(
         tokenize_pair,
         tokenizer=tokenizer,
         max_length=max_length,
         max_prompt_length=max_prompt_length,
-        max_pair_tokens=max_pair_tokens,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
     total = len(dataset_or_rows) if hasattr(dataset_or_rows, "__len__") else None
     if progress is None:
@@ -282,11 +282,11 @@ def pair_costs(rows: Any) -> list[int]:
     ]
 
 
-def _check_lengths(max_length: int, max_prompt_length: int | None, max_pair_tokens: int | None) -> None:
+def _check_lengths(max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None) -> None:
     for name, value, optional in (
         ("max_length", max_length, False),
         ("max_prompt_length", max_prompt_length, True),
-        ("max_pair_tokens", max_pair_tokens, True),
+        ("max_tokens_per_microbatch", max_tokens_per_microbatch, True),
     ):
         if value is None and optional:
             continue

@@ -14,7 +14,7 @@ from pair_dpo_trainer.samplers.planner import (
     plan_epoch,
     plan_epoch_array,
 )
-from pair_dpo_trainer.samplers.sampler import PairBatchSampler, PairStepSampler
+from pair_dpo_trainer.samplers.sampler import PairBatchSampler, PairStepSampler, train_sampler
 
 __all__ = [
     "EpochPlan",
@@ -24,4 +24,5 @@ __all__ = [
     "microbatch_sizes",
     "plan_epoch",
     "plan_epoch_array",
+    "train_sampler",
 ]

@@ -1,4 +1,4 @@
-"""One rank's view of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch`: ``PairBatchSampler`` and ``PairStepSampler``.
+"""One rank's view of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch`: ``PairBatchSampler``, ``PairStepSampler``.
 
 Plain, re-iterable batch samplers, so they can be passed as ``DataLoader(batch_sampler=...)`` and wrapped by
 accelerate's ``SkipBatchSampler`` (what HF Trainer's ``skip_first_batches`` does on resume):
@@ -212,3 +212,22 @@ class PairStepSampler(_PlannedSampler):
     def __iter__(self) -> Iterator[list[list[int]]]:
         """Yields this rank's steps of the current epoch, from the start step (then reset to 0)."""
         return ([list(microbatch) for microbatch in step] for step in self._steps_to_run())
+
+
+def train_sampler(costs: Sequence[int], args: Any) -> PairBatchSampler | PairStepSampler:
+    """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
+    them), or whole steps when ``max_tokens_per_microbatch`` is set.
+
+    Args:
+        costs: ``[N]`` pair costs of the train dataset.
+        args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
+    """
+    layout = {
+        "world_size": args.world_size,
+        "rank": args.process_index,
+        "pairs_per_rank": args.pairs_per_rank_per_step,
+        "seed": args.data_seed if args.data_seed is not None else args.seed,
+    }
+    if args.max_tokens_per_microbatch is None:
+        return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
+    return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)
