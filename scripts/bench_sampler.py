@@ -26,16 +26,21 @@ MIXES = {
 }
 
 
-def make_costs(mix: str, n: int, seed: int) -> np.ndarray:
-    """Returns ``[n]`` pair costs ``2 * prompt + chosen + rejected`` for a named length mix."""
-    rng = np.random.default_rng(seed)
+def mix_lengths(mix: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n]`` int64 prompt, chosen and rejected lengths of a named length mix (``MIXES``), drawn from ``rng``."""
     if mix == "lognormal":
         prompt = rng.integers(32, 513, n)
         chosen, rejected = (np.clip(rng.lognormal(np.log(200), 0.9, n), 16, 1024) for _ in range(2))
     else:
         prompt = np.clip(rng.lognormal(np.log(300), 1.0, n), 16, 4096)
         chosen, rejected = (np.clip(rng.lognormal(np.log(150), 1.5, n), 8, 4096) for _ in range(2))
-    return (2 * prompt.astype(np.int64) + chosen.astype(np.int64) + rejected.astype(np.int64)).astype(np.int64)
+    return prompt.astype(np.int64), chosen.astype(np.int64), rejected.astype(np.int64)
+
+
+def make_costs(mix: str, n: int, seed: int) -> np.ndarray:
+    """Returns ``[n]`` pair costs ``2 * prompt + chosen + rejected`` for a named length mix."""
+    prompt, chosen, rejected = mix_lengths(mix, n, np.random.default_rng(seed))
+    return 2 * prompt + chosen + rejected
 
 
 def ratio(loads: np.ndarray, axis: int) -> np.ndarray:
