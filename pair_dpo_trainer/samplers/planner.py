@@ -57,10 +57,11 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -131,21 +132,24 @@ class EpochPlan:
     def rank_microbatches(self, rank: int) -> list[list[list[int]]]:
         """Returns ``[step][microbatch] -> pair indices`` for one rank."""
         rows = self.pairs[:, rank].tolist()
-        return [_cut(row, step_ends[rank]) for row, step_ends in zip(rows, self._ends(), strict=True)]
+        with _no_gc():
+            if self.max_tokens_per_microbatch is None:
+                bounds = self._bounds()
+                return [[row[a:b] for a, b in bounds] for row in rows]
+            ends, counts = np.cumsum(self.sizes[:, rank], axis=1).tolist(), self.microbatch_counts.tolist()
+            return [_cut(row, e[:m]) for row, e, m in zip(rows, ends, counts, strict=True)]
 
     def to_lists(self) -> list[list[list[list[int]]]]:
         """Returns the nested ``[step][rank][microbatch] -> pair indices`` form of :func:`plan_epoch`."""
-        ends = self._ends()
-        was_enabled = gc.isenabled()
-        gc.disable()  # millions of small lists: collector passes would dominate the build time
-        try:
+        with _no_gc():
+            if self.max_tokens_per_microbatch is None:
+                bounds = self._bounds()
+                return [[[row[a:b] for a, b in bounds] for row in step] for step in self.pairs.tolist()]
+            ends, counts = np.cumsum(self.sizes, axis=2).tolist(), self.microbatch_counts.tolist()
             return [
-                [_cut(row, rank_ends) for row, rank_ends in zip(step, step_ends, strict=True)]
-                for step, step_ends in zip(self.pairs.tolist(), ends, strict=True)
+                [_cut(row, e[:m]) for row, e in zip(step, step_ends, strict=True)]
+                for step, step_ends, m in zip(self.pairs.tolist(), ends, counts, strict=True)
             ]
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def fingerprint(self) -> str:
         """Returns a 16-hex-digit digest of the whole plan (all ranks, layout and budget included)."""
@@ -160,12 +164,22 @@ class EpochPlan:
         digest.update(np.ascontiguousarray(self.pairs, dtype="<i8").tobytes())
         return digest.hexdigest()[:16]
 
-    def _ends(self) -> list[list[list[int]]]:
-        """``[steps][world_size]`` micro-batch end offsets into each rank row (empty slots left out)."""
-        counts = self.microbatch_counts.tolist()
-        return [
-            [rank[:m] for rank in step] for step, m in zip(np.cumsum(self.sizes, axis=2).tolist(), counts, strict=True)
-        ]
+    def _bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` slices of a rank row, one per micro-batch (fixed-count plans: the same everywhere)."""
+        ends = np.cumsum(self.microbatch_sizes).tolist()
+        return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Millions of small lists: the cyclic collector's passes would dominate building them."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _cut(row: list[int], ends: list[int]) -> list[list[int]]:
