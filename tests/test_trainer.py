@@ -249,3 +249,13 @@ def test_pad_to_budget_pads_every_row_and_trains_identically(tmp_path):
     padded.train()
     assert _history(padded, "loss") == pytest.approx(_history(plain, "loss"), abs=1e-6)
     assert padded.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], abs=1e-6)
+
+
+def test_run_summary_names_the_token_budget(tmp_path):
+    args = _config(
+        tmp_path, per_device_train_batch_size=32, gradient_accumulation_steps=1, max_tokens_per_microbatch=16384
+    )
+    line = run_summary(args, attn_backend="torch_varlen", source=None)
+    assert "32 pairs/step (32 per rank in micro-batches of <= 16384 tokens)" in line
+    padded = _config(tmp_path, max_tokens_per_microbatch=16384, gradient_accumulation_steps=1, pad_to_budget=True)
+    assert "micro-batches of <= 16384 tokens, padded to it" in run_summary(padded, attn_backend="x", source=None)
