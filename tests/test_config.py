@@ -50,6 +50,9 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"zero3_leaf_modules": "Llama Decoder"}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": ""}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": "LlamaDecoderLayer,"}, "bad_zero3_leaf_modules"),
+        ({"max_tokens_per_microbatch": 0}, "bad_length"),
+        ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
+        ({"pad_to_budget": True}, "unsupported_combination"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
@@ -159,3 +162,11 @@ def test_cpu_runs_stay_float32_by_default(tmp_path):
     config = PairDPOConfig(output_dir=str(tmp_path))
     assert config.bf16 is False and config.mixed_precision == "no"
     assert PairDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True).mixed_precision == "bf16"
+
+
+def test_token_budget_needs_one_accumulation_step_and_names_the_pairs_per_step(tmp_path):
+    config = _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=32, pad_to_budget=True)
+    assert config.pairs_per_rank_per_step == 32 and config.gradient_accumulation_steps == 1
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=8, gradient_accumulation_steps=4)
+    assert "gradient_accumulation_steps=1" in str(info.value) and "(here 32)" in str(info.value)
