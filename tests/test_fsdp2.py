@@ -1,10 +1,14 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard`` through Accelerate) with 2 real processes on the CPU (gloo), not mocked.
+"""FSDP2 (``fully_shard`` through Accelerate) with 2 real processes on the CPU (gloo), not mocked.
 
-One launch runs every phase (see tests/fsdp_worker.py); the single-process DP=1 runs without FSDP run here.
+One launch (``accelerate launch`` with the shipped ``accelerate_configs/fsdp2.yaml`` in its CPU form) runs every
+2-process phase (see tests/fsdp_worker.py); the single-process DP=1 runs without FSDP run here, on the same global
+batch. Single-process checks of the FSDP2 pieces (configs, refusals, the in-forward head) are at the end.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -13,19 +17,36 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
+from pair_dpo_trainer.integrity import parameter_digest
+from tests.dpo_fixtures import tiny_lora_llama
+from tests.fsdp_worker import losses, tiny_tied_llama
 from tests.ports import free_port
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[1]
+distributed = [pytest.mark.distributed, pytest.mark.slow]
+
+
+def cpu_form(config: Path, out: Path) -> Path:
+    """The shipped GPU config for 2 CPU processes: only device, process count, precision and address change."""
+    data = yaml.safe_load(config.read_text())
+    data.update(use_cpu=True, num_processes=2, mixed_precision="no", main_process_ip="127.0.0.1")
+    data["main_process_port"] = free_port()
+    path = out / config.name
+    path.write_text(yaml.safe_dump(data))
+    return path
 
 
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory):
-    """Runs tests/fsdp_worker.py once on 2 ranks; returns the rank-0 results."""
-    out = tmp_path_factory.mktemp("fsdp2")
+    """Runs tests/fsdp_worker.py once on 2 ranks; returns (rank-0 results, per-rank results)."""
+    root = tmp_path_factory.mktemp("fsdp2")
+    config = cpu_form(ROOT / "accelerate_configs" / "fsdp2.yaml", root)
+    out = root / "out"
+    out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     start = time.monotonic()
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / "fsdp_worker.py"), str(out)],
@@ -33,19 +54,200 @@ def fsdp2(tmp_path_factory):
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     results = torch.load(out / "results.pt", weights_only=False)
-    print(f"\nFSDP2 launch: {time.monotonic() - start:.1f} s")
-    return results
+    results["timings"]["launch"] = round(time.monotonic() - start, 1)
+    print(f"\nFSDP2 launch timings (s): {results['timings']}")
+    per_rank = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    return results, per_rank, out
 
 
+@pytest.fixture(scope="module")
+def dp1(tmp_path_factory):
+    """The same runs in one process without FSDP (DP=1 x GA=2, same global batch), with first-step gradients."""
+    from tests.fsdp_worker import trained
+
+    root = tmp_path_factory.mktemp("dp1")
+    models = {"std": None, "free": None, "tied": tiny_tied_llama(0), "peft": tiny_lora_llama(0)}
+    runs = {}
+    for name, model in models.items():
+        options = {"reference_free": True} if name == "free" else {}
+        trainer, grads = trained(root / name, world_size=1, model=model, **options)
+        params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        runs[name] = {"losses": losses(trainer), "grads": grads, "params": params}
+    return runs
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b) and len(a) > 0
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def _assert_sharded(held: dict, *, frozen: bool) -> None:
+    """Every parameter a DTensor holding a strict slice on this rank (about half of the elements)."""
+    assert held["count"] > 0 and held["dtensor"] == held["sliced"] == held["count"], held
+    assert held["local_numel"] < 0.6 * held["numel"], held
+    assert held["frozen"] == (held["count"] if frozen else 0), held
+
+
+@pytest.mark.parametrize("mode", ["std", "free", "tied"])
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp2_dp2_matches_dp1_without_fsdp_losses_and_gradients(fsdp2, dp1, mode):
+    results, _, _ = fsdp2
+    run, base = results[mode], dp1[mode]
+    assert len(run["losses"]) == len(base["losses"]) == 6
+    assert run["losses"][0] == pytest.approx(math.log(2), abs=1e-6) or mode == "free"
+    assert run["losses"] == pytest.approx(base["losses"], abs=1e-5)
+    scale = max(float(g.abs().max()) for g in base["grads"].values())
+    assert scale > 0 and _max_diff(run["grads"], base["grads"]) / scale < 1e-5
+    if mode == "std":  # Adam divides by sqrt(v): 1e-7 reduction-order noise in tiny gradients grows to ~2e-5
+        assert _max_diff(run["params"], base["params"]) < 1e-4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_policy_and_reference_are_sharded_dtensors_and_the_reference_is_frozen_and_unchanged(fsdp2):
+    results, per_rank, _ = fsdp2
+    std = results["std"]
+    _assert_sharded(std["policy"], frozen=False)
+    assert std["policy"]["wrapper"].startswith("FSDP")  # accelerate's fully_shard class, not DDP
+    for rank, result in enumerate(per_rank):
+        _assert_sharded(result["reference"]["std"], frozen=True)
+        assert result["reference"]["std"]["grads"] == 0, rank  # inference-only: no gradient ever
+    assert std["reference_training"] is False
+    before, after = std["reference_digest"]
+    assert before == after and before is not None
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_fsdp_training_arguments_shard_the_policy_instead_of_training_ddp(fsdp2):
     """``fsdp="full_shard"`` + ``fsdp_config={"fsdp_version": 2}`` on two CPU processes used to train as plain DDP
     (Accelerate drops its FSDP plugin on the CPU) and exit 0: every parameter must be a DTensor holding a slice."""
-    run = fsdp2["args_fsdp"]
-    policy = run["policy"]
-    assert run["wrapped"] != "DistributedDataParallel"
-    assert policy["count"] > 0 and policy["dtensor"] == policy["count"], policy
-    assert policy["sliced"] == policy["count"], policy
+    results, _, _ = fsdp2
+    run = results["args_fsdp"]
+    _assert_sharded(run["policy"], frozen=False)
+    _assert_sharded(run["reference"], frozen=True)
+    assert run["losses"] == pytest.approx(results["std"]["losses"][:2], abs=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_lora_policy_under_fsdp2_matches_dp1(fsdp2, dp1):
+    """A PEFT policy: Accelerate shards the LoRA-wrapped model; the reference is the same model, adapters disabled."""
+    results, _, _ = fsdp2
+    run = results["peft"]
+    assert run["policy"]["dtensor"] == run["policy"]["count"] > 0
+    assert 0 < run["policy"]["frozen"] < run["policy"]["count"]  # frozen base, trainable adapters
+    assert run["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert run["losses"] == pytest.approx(dp1["peft"]["losses"], abs=1e-5)
+    scale = max(float(g.abs().max()) for g in dp1["peft"]["grads"].values())
+    assert _max_diff(run["grads"], dp1["peft"]["grads"]) / scale < 1e-5
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_activation_checkpointing_trains_exactly_like_no_checkpointing(fsdp2):
+    results, _, _ = fsdp2
+    assert results["ac"]["losses"] == pytest.approx(results["std"]["losses"], abs=1e-6)
+    assert _max_diff(results["ac"]["grads"], results["std"]["grads"]) < 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_checkpoints_resume_exactly_and_the_final_save_writes_full_weights(fsdp2):
+    results, _, out = fsdp2
+    std = results["std"]
+    assert "SHARDED_STATE_DICT" in std["plugin_state_dict_type"]  # from the shipped fsdp2.yaml
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "pair_dpo_reference.json"} <= set(std["checkpoint_files"])
+    resumed = results["resume"]
+    assert resumed["losses"] == pytest.approx(std["losses"][3:], abs=1e-6)
+    assert parameter_digest(resumed["params"].items()) == parameter_digest(std["params"].items())
+    assert "model.safetensors" in std["final_files"]
+    from safetensors.torch import load_file
+
+    final = load_file(out / "std" / "final" / "model.safetensors")
+    assert set(final) == set(std["params"]) and _max_diff(final, std["params"]) == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_full_state_dict_checkpoints_resume_exactly(fsdp2):
+    run = fsdp2[0]["full_state"]
+    assert "pytorch_model_fsdp.bin" in run["checkpoint_files"] and "model.safetensors" in run["checkpoint_files"]
+    assert len(run["losses"]) == 2 and run["resumed_losses"] == pytest.approx(run["losses"], abs=1e-6)
+    assert parameter_digest(run["resumed_params"].items()) == parameter_digest(run["params"].items())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_replicated_reference_equals_the_sharded_one_and_resumes_its_checkpoint(fsdp2):
+    results, per_rank, _ = fsdp2
+    replicated, std = results["replicated"], results["std"]
+    for rank, result in enumerate(per_rank):
+        held = result["reference"]["replicated"]
+        assert held["dtensor"] == 0 and held["frozen"] == held["count"] > 0, (rank, held)
+        assert held["local_numel"] == held["numel"] == result["reference"]["std"]["numel"], (rank, held)
+        assert result["reference_logps"]["replicated"] == pytest.approx(result["reference_logps"]["std"], abs=1e-6)
+    assert replicated["identity"]["param_digest"] == std["identity"]["param_digest"]
+    assert replicated["identity"]["probe_digest"] == std["identity"]["probe_digest"]
+    assert replicated["losses"] == pytest.approx(std["losses"][3:], abs=1e-6)
+    assert _max_diff(replicated["params"], std["params"]) <= 1e-6
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_precomputed_reference_under_fsdp2_matches_online_and_its_cache_is_reused(fsdp2):
+    results, _, _ = fsdp2
+    pre, std = results["pre"], results["std"]
+    assert pre["losses"] == pytest.approx(std["losses"], abs=1e-6)
+    assert pre["builds"] == 1 and pre["backend"] == "PrecomputedReference" and len(pre["cache_files"]) == 1
+    assert results["pre_resume"]["builds"] == 0  # the resume read the cache: the reference was never built
+    assert results["pre_resume"]["losses"] == pytest.approx(std["losses"][3:], abs=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_regional_compile_under_fsdp2_compiles_both_models_and_matches_eager(fsdp2):
+    """torch_compile=True compiles the decoder layers in place before fully_shard (policy and reference) and trains
+    the same steps as eager (a block-mask SDPA kernel stands in for CUDA varlen: equal to sdpa_segments to ~1e-7)."""
+    results = fsdp2[0]
+    run = results["compile"]
+    assert run["policy_compiled"] and run["reference_compiled"]
+    _assert_sharded(run["reference"], frozen=True)
+    assert len(run["compiled"]) == 2 and run["compiled"] == pytest.approx(results["std"]["losses"][:2], abs=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("phase", "code", "words"),
+    [
+        ("tamper", "reference_changed", "parameter digest"),
+        ("fsdp1", "fsdp1_unsupported", "fsdp_version"),
+        ("eval_first", "unsupported_combination", "evaluate() before train()"),
+        ("peft_pre", "unsupported_combination", "PEFT policy under FSDP2"),
+    ],
+)
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_changed_reference_fsdp1_and_evaluate_first_are_refused_on_every_rank(fsdp2, phase, code, words):
+    _, per_rank, _ = fsdp2
+    for rank, result in enumerate(per_rank):
+        assert result[phase]["reason_code"] == code, (rank, result[phase])
+        assert words in result[phase]["message"], (rank, result[phase])
+        assert result[phase]["step"] in (None, 0)  # nothing restored, no step ran
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pinned_snapshot_under_fsdp2_is_verified_and_a_changed_one_is_refused_on_resume(fsdp2):
+    _, per_rank, _ = fsdp2
+    for rank, result in enumerate(per_rank):
+        pinned = result["pinned"]
+        assert pinned["identity"]["pinned"] is True and pinned["identity"]["manifest_digest"], rank
+        assert pinned["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+        _assert_sharded(pinned["reference"], frozen=True)
+        assert pinned["tamper"]["reason_code"] == "reference_changed", (rank, pinned["tamper"])
+        assert "manifest" in pinned["tamper"]["message"] and pinned["tamper"]["step"] == 0
