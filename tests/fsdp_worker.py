@@ -20,6 +20,8 @@ Each phase writes its result under OUT_DIR; the test compares them with single-p
       ``unsupported_combination`` for evaluate() before train() and for a precomputed PEFT reference).
   pinned: policy and reference from a pinned snapshot (verified, identity pinned); a changed snapshot is refused on
       resume (``reference_changed``, the manifest).
+  gc: the Trainer's gradient checkpointing (transformers' per-layer checkpointing) under FSDP2.
+  bench: ``scripts/bench_dpo.py --tiny --ref-fsdp-shard false`` (the flag plumbing of scripts/gpu/h200_fsdp2.sh).
 """
 
 from __future__ import annotations
@@ -296,6 +298,21 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     return result
 
 
+def run_bench(out_dir: Path) -> dict[str, Any]:
+    """``scripts/bench_dpo.py --tiny`` under FSDP2 (the GPU script's world-size-1 run, here on 2 CPU ranks) with
+    ``--ref-fsdp-shard false``: the flag reaches the config and the row says what ran."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_dpo
+
+    results = out_dir / "bench.jsonl"
+    row = bench_dpo.main(
+        ["--tiny", "--tag", "fsdp2", "--ref-fsdp-shard", "false", "--ceiling", "--results", str(results)]
+        + ["--bs", "1", "--steps", "2", "--warmup", "1", "--max-length", "96"]
+    )
+    keys = ("fsdp2", "reference_fsdp", "fsdp_param_dtype", "deepspeed", "world", "steps_timed", "real_tok_s_gpu")
+    return {key: row.get(key) for key in keys}
+
+
 def run_failing(out_dir: Path, name: str, *, resume: str | None = None, evaluate: bool = False, **kwargs: Any):
     start = time.monotonic()
     trainer = None
@@ -327,6 +344,7 @@ def main() -> None:
     timed("peft", run_variant, out_dir, "peft", model=tiny_lora_llama(0))
     ac = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}}
     timed("ac", run_variant, out_dir, "ac", **ac)
+    timed("gc", run_variant, out_dir, "gc", gradient_checkpointing=True)
     timed("resume", run_resumed, out_dir, "resume")
     timed("replicated", run_resumed, out_dir, "replicated", ref_fsdp_shard=False)
     cache = str(out_dir / "ref_logps_cache")
@@ -341,6 +359,7 @@ def main() -> None:
     timed("eval_first", run_failing, out_dir, "eval_first", evaluate=True, eval_dataset=synthetic_pairs(8, seed=1))
     timed("peft_pre", run_failing, out_dir, "peft_pre", model=tiny_lora_llama(0), precompute_ref_logps=True)
     timed("pinned", run_pinned, out_dir, rank)
+    timed("bench", run_bench, out_dir)
     per_rank = {k: results[k] for k in ("tamper", "fsdp1", "eval_first", "peft_pre", "pinned")}
     per_rank["reference_logps"] = {k: results[k]["reference_logps"] for k in ("std", "replicated")}
     per_rank["reference"] = {k: results[k]["reference"] for k in ("std", "replicated")}

@@ -150,10 +150,11 @@ def test_lora_policy_under_fsdp2_matches_dp1(fsdp2, dp1):
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_fsdp_activation_checkpointing_trains_exactly_like_no_checkpointing(fsdp2):
+def test_fsdp_and_trainer_activation_checkpointing_train_exactly_like_no_checkpointing(fsdp2):
     results, _, _ = fsdp2
-    assert results["ac"]["losses"] == pytest.approx(results["std"]["losses"], abs=1e-6)
-    assert _max_diff(results["ac"]["grads"], results["std"]["grads"]) < 1e-6
+    for name in ("ac", "gc"):
+        assert results[name]["losses"] == pytest.approx(results["std"]["losses"], abs=1e-6), name
+        assert _max_diff(results[name]["grads"], results["std"]["grads"]) < 1e-6, name
 
 
 @pytest.mark.distributed
@@ -251,3 +252,207 @@ def test_pinned_snapshot_under_fsdp2_is_verified_and_a_changed_one_is_refused_on
         _assert_sharded(pinned["reference"], frozen=True)
         assert pinned["tamper"]["reason_code"] == "reference_changed", (rank, pinned["tamper"])
         assert "manifest" in pinned["tamper"]["message"] and pinned["tamper"]["step"] == 0
+
+
+# ---------------------------------------------------------------------------------------------- single process
+FSDP2_CONFIGS = ("fsdp2.yaml", "fsdp2_offload.yaml", "fsdp2_multinode.yaml")
+
+
+def _launch_env(config: Path) -> dict[str, str]:
+    """The environment ``accelerate launch --config_file config`` gives the training processes (no launch)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_multi_gpu_env
+
+    args = launch_command_parser().parse_args(["--config_file", str(config), "train.py"])
+    args, _, _ = _validate_launch_command(args)
+    assert args.use_fsdp and not args.cpu
+    return prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("name", FSDP2_CONFIGS)
+def test_shipped_fsdp2_configs_parse_with_accelerate_into_a_supported_fsdp2_plugin(name, monkeypatch, tmp_path):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
+
+    from pair_dpo_trainer.modeling.fsdp2 import fsdp2_problems, requested_fsdp_version
+    from tests.dpo_fixtures import cpu_config
+
+    env = _launch_env(ROOT / "accelerate_configs" / name)
+    for key, value in env.items():
+        if key.startswith(("FSDP_", "ACCELERATE_USE_FSDP")):
+            monkeypatch.setenv(key, value)
+    args = cpu_config(tmp_path)
+    assert requested_fsdp_version(args) == 2
+    plugin = FullyShardedDataParallelPlugin()
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT and not plugin.cpu_ram_efficient_loading
+    offload = name == "fsdp2_offload.yaml"
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy) == offload
+    assert plugin.activation_checkpointing == offload
+    assert fsdp2_problems(plugin, args) == []
+    assert env["ACCELERATE_MIXED_PRECISION"] == "bf16"
+
+
+def test_the_multinode_config_names_every_placeholder_it_asks_to_fill():
+    data = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2_multinode.yaml").read_text())
+    assert data["num_machines"] > 1 and data["num_processes"] % data["num_machines"] == 0
+    assert data["rdzv_backend"] == "c10d" and data["main_process_ip"] and data["main_process_port"]
+
+
+def _plugin(**kwargs):
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("plugin_kwargs", "config_kwargs", "words"),
+    [
+        ({"cpu_ram_efficient_loading": True}, {}, "cpu_ram_efficient_loading"),
+        ({"activation_checkpointing": True}, {"gradient_checkpointing": True}, "recompute"),
+    ],
+)
+def test_unsupported_fsdp2_settings_are_refused_with_a_reason(tmp_path, plugin_kwargs, config_kwargs, words):
+    from pair_dpo_trainer.modeling.fsdp2 import fsdp2_problems
+    from tests.dpo_fixtures import cpu_config
+
+    problems = fsdp2_problems(_plugin(**plugin_kwargs), cpu_config(tmp_path, **config_kwargs))
+    assert [code for code, _ in problems] == ["unsupported_combination"] and words in problems[0][1]
+
+
+def test_fsdp1_is_refused_from_training_arguments_and_from_the_launcher_environment(tmp_path, monkeypatch):
+    from pair_dpo_trainer.errors import ConfigError
+    from pair_dpo_trainer.modeling.fsdp2 import check_fsdp_version, fsdp2_problems
+    from tests.dpo_fixtures import cpu_config
+
+    args = cpu_config(tmp_path)
+    check_fsdp_version(args)  # no FSDP asked for: nothing to refuse
+    args.fsdp_plugin_args = {"fsdp_version": 1}
+    with pytest.raises(ConfigError) as error:
+        check_fsdp_version(args)
+    assert error.value.reason_code == "fsdp1_unsupported" and "fsdp_version': 2" in str(error.value)
+    args.fsdp_plugin_args = None
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_VERSION", "1")
+    with pytest.raises(ConfigError, match="fsdp1_unsupported"):
+        check_fsdp_version(args)
+    stub = type("Plugin", (), {"fsdp_version": 1})()  # an FSDP1 plugin (it cannot be built on a CPU-only machine)
+    assert [code for code, _ in fsdp2_problems(stub, args)] == ["fsdp1_unsupported"]
+
+
+def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_the_output_cast(tmp_path, monkeypatch):
+    """Accelerate's bf16 policy casts every FSDP unit's output to bf16, the head's float32 log-probs included."""
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    from pair_dpo_trainer.modeling import fsdp2
+    from tests.dpo_fixtures import cpu_config
+
+    args = cpu_config(tmp_path)
+    args.fsdp_plugin_args = {"fsdp_version": 2, "reshard_after_forward": True}
+    state = type("State", (), {"distributed_type": DistributedType.MULTI_CPU, "mixed_precision": "bf16"})()
+    accelerator = type("Accelerator", (), {"state": state, "device": torch.device("cpu")})()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    previous = PartialState().distributed_type
+    try:
+        plugin = fsdp2.setup_fsdp2(accelerator, args)
+        assert PartialState().distributed_type == DistributedType.FSDP  # AcceleratorState() copies it back
+    finally:
+        PartialState().distributed_type = previous
+    assert state.distributed_type == DistributedType.FSDP and state.fsdp_plugin is plugin
+    policy = plugin.mixed_precision_policy
+    assert policy.param_dtype == policy.reduce_dtype == torch.bfloat16 and policy.output_dtype is None
+    assert fsdp2.compute_dtype(plugin) == torch.bfloat16 and not fsdp2.offloads_params(plugin)
+
+
+def test_without_fsdp_nothing_is_set_up_and_ref_fsdp_shard_is_refused(tmp_path):
+    from pair_dpo_trainer import PairDPOTrainer
+    from pair_dpo_trainer.errors import ConfigError
+    from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+
+    pairs, tokenizer = synthetic_pairs(8), tiny_tokenizer()
+    trainer = PairDPOTrainer(tiny_llama(), cpu_config(tmp_path), train_dataset=pairs, processing_class=tokenizer)
+    assert trainer.fsdp_plugin is None and not trainer.is_fsdp_enabled
+    with pytest.raises(ConfigError) as error:
+        args = cpu_config(tmp_path, ref_fsdp_shard=True)
+        PairDPOTrainer(tiny_llama(), args, train_dataset=pairs, processing_class=tokenizer)
+    assert error.value.reason_code == "unsupported_combination" and "ref_fsdp_shard" in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("options", "code"),
+    [({"ref_fsdp_shard": "yes"}, "bad_ref_fsdp_shard"), ({"ref_fsdp_shard": False, "ref_offload_params": True}, None)],
+)
+def test_ref_fsdp_shard_values_are_validated_with_the_config(tmp_path, options, code):
+    from pair_dpo_trainer.errors import ConfigError
+    from tests.dpo_fixtures import cpu_config
+
+    with pytest.raises(ConfigError) as error:
+        cpu_config(tmp_path, **options)
+    assert error.value.reason_code == (code or "unsupported_combination")
+
+
+def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked_head():
+    """The FSDP2 path (chunked log-probs inside the model's own head call) against the default path, unsharded."""
+    from pair_dpo_trainer.collators import PackedPairCollator
+    from pair_dpo_trainer.logprobs import check_supported_head, in_forward_token_logps, packed_sequence_logps
+    from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+    from tests.dpo_fixtures import random_features, tiny_llama
+
+    batch = PackedPairCollator()(random_features(3, 4, vocab=64, prompt_len=(2, 9), completion_len=(1, 8)))
+    results = []
+    for in_forward in (False, True):
+        model = tiny_llama(0)
+        enable_pair_varlen(model, "sdpa_segments")
+        if in_forward:
+            positions = batch.completion_positions
+            targets = batch.labels.reshape(-1).index_select(0, positions)
+            tokens = in_forward_token_logps(model, check_supported_head(model), batch, targets, chunk_size=5)
+            index = batch.sequence_index.reshape(-1).index_select(0, positions)
+            logps = tokens.new_zeros(batch.num_sequences).index_add(0, index, tokens)
+        else:
+            logps = packed_sequence_logps(model, batch, chunk_size=5)
+        logps.pow(2).sum().backward()
+        results.append((logps.detach(), {n: p.grad for n, p in model.named_parameters()}))
+        assert model.lm_head.forward.__func__ is type(model.lm_head).forward  # the instance override is gone
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert got.dtype == torch.float32 and set(got_grads) == set(want_grads)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_identity_names_do_not_depend_on_activation_checkpointing_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from pair_dpo_trainer.reference.engine import gathered_named_parameters
+    from tests.dpo_fixtures import tiny_llama
+
+    plain, wrapped = tiny_llama(0), tiny_llama(0)
+    for index, layer in enumerate(wrapped.model.layers):
+        wrapped.model.layers[index] = checkpoint_wrapper(layer)
+    assert any("_checkpoint_wrapped_module" in name for name, _ in wrapped.named_parameters())
+    digests = [parameter_digest(gathered_named_parameters(model)) for model in (plain, wrapped)]
+    assert digests[0] == digests[1]
+
+
+def test_the_run_summary_names_fsdp2_and_the_reference_layout(tmp_path):
+    from pair_dpo_trainer.summary import run_summary
+    from tests.dpo_fixtures import cpu_config
+
+    line = run_summary(cpu_config(tmp_path), attn_backend="sdpa_segments", source=None, fsdp2=True)
+    assert line.endswith("| FSDP2, reference sharded")
+    args = cpu_config(tmp_path, ref_fsdp_shard=False)
+    assert "FSDP2, reference replicated (ref_fsdp_shard=False)" in run_summary(
+        args, attn_backend="x", source=None, fsdp2=True
+    )
+    assert "FSDP2" not in run_summary(args, attn_backend="x", source=None)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_dpo_runs_under_fsdp2_and_its_ref_fsdp_shard_flag_reaches_the_run(fsdp2):
+    row = fsdp2[0]["bench"]
+    assert row["fsdp2"] is True and row["deepspeed"] is False and row["world"] == 2
+    assert row["reference_fsdp"] == "replicated" and row["fsdp_param_dtype"] is None  # fp32 on the CPU
+    assert row["steps_timed"] == 2 and row["real_tok_s_gpu"] > 0

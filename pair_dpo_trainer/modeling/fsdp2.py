@@ -143,7 +143,8 @@ def fsdp2_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
                 "data-parallel only (packed rows are not split across ranks): remove parallelism_config.",
             )
         )
-    if getattr(plugin, "activation_checkpointing", False) and args.gradient_checkpointing:
+    trainer_checkpointing = getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing
+    if getattr(plugin, "activation_checkpointing", False) and trainer_checkpointing:
         problems.append(
             (
                 "unsupported_combination",
