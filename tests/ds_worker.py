@@ -197,13 +197,18 @@ def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-def run_failing(out_dir: Path, name: str, *, resume: str | None = None, **kwargs: Any) -> dict[str, Any]:
+def run_failing(
+    out_dir: Path, name: str, *, resume: str | None = None, evaluate: Any = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Builds a trainer and trains it (or evaluates it on the dataset ``evaluate``); the run must fail with a reason
+    code, at construction (``step`` None) or later."""
     start = time.monotonic()
-    trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+    trainer = None
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+        trainer.evaluate(evaluate) if evaluate is not None else trainer.train(resume_from_checkpoint=resume)
     except PairDPOError as exc:
-        seconds, step = time.monotonic() - start, trainer.state.global_step
+        seconds, step = time.monotonic() - start, trainer.state.global_step if trainer is not None else None
         return {"reason_code": exc.reason_code, "message": str(exc), "seconds": seconds, "step": step}
     return {"reason_code": None, "seconds": time.monotonic() - start}
 

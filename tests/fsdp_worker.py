@@ -37,19 +37,14 @@ import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
-from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
-from pair_dpo_trainer.reference.engine import CHECKPOINT_WRAPPER_PREFIX, gathered_named_parameters  # noqa: E402
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
+from pair_dpo_trainer.reference.engine import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
+from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_lora_llama  # noqa: E402
+from tests.ds_worker import build_trainer, full_parameters, losses, reference_logps, run_failing  # noqa: E402
 
-NUM_PAIRS = 48
-GLOBAL_PAIRS = 8
-GA = 2
-STEPS = 6
-LOGPS_CHUNK = 7
-"""Tiny chunks: ranks score different token counts, so they project different numbers of chunks (the sharded head
-must still be all-gathered the same number of times on every rank)."""
+# The ZeRO-3 worker's run (tests/ds_worker.py): 48 pairs, 6 steps of 8 pairs in 2 micro-batches per rank, fp32, no
+# clipping, log-prob chunks of 7 tokens (ranks project different numbers of chunks: the sharded head must still be
+# all-gathered the same number of times on every rank).
 
 ARGS_FSDP = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
 
@@ -83,33 +78,6 @@ def tiny_tied_llama(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
-def build_trainer(
-    out_dir: Path, *, world_size: int, model=None, ref_model=None, eval_dataset=None, **kwargs: Any
-) -> PairDPOTrainer:
-    """The run every phase and the test's single-process baselines share (fp32, no clipping, constant schedule)."""
-    options = dict(
-        output_dir=str(out_dir),
-        max_steps=STEPS,
-        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * GA),
-        gradient_accumulation_steps=GA,
-        per_device_eval_batch_size=4,
-        learning_rate=1e-2,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logps_chunk_size=LOGPS_CHUNK,
-        allow_unpinned_reference=not kwargs.get("reference_free", False),
-    )
-    options.update(kwargs)
-    return PairDPOTrainer(
-        model=model if model is not None else tiny_llama(0),
-        args=cpu_config(out_dir, **options),
-        train_dataset=synthetic_pairs(NUM_PAIRS),
-        eval_dataset=eval_dataset,
-        processing_class=tiny_tokenizer(),
-        ref_model=ref_model,
-    )
-
-
 def trained(out_dir: Path, *, world_size: int = 2, resume: str | None = None, **kwargs: Any):
     """Trains and returns ``(trainer, first-step gradients)``."""
     recorder = FirstStepGradients()
@@ -117,17 +85,6 @@ def trained(out_dir: Path, *, world_size: int = 2, resume: str | None = None, **
     trainer.add_callback(recorder)
     trainer.train(resume_from_checkpoint=resume)
     return trainer, recorder.grads
-
-
-def losses(trainer: PairDPOTrainer, after: int = 0) -> list[float]:
-    """The logged training losses of the steps after ``after`` (a resumed run's history starts with the old steps)."""
-    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > after]
-
-
-def full_parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter's full value on the CPU (FSDP2 shards gathered one at a time; collective)."""
-    named = gathered_named_parameters(model)
-    return {name: value.detach().clone() if isinstance(value, torch.Tensor) else value() for name, value in named}
 
 
 def sharding(model: torch.nn.Module) -> dict[str, Any]:
@@ -146,12 +103,6 @@ def sharding(model: torch.nn.Module) -> dict[str, Any]:
         "grads": sum(p.grad is not None for p in params),
         "wrapper": type(model).__name__,
     }
-
-
-def reference_logps(trainer: PairDPOTrainer) -> list[float]:
-    """The reference's per-sequence log-probs of the first 4 training pairs, packed in one row (collective)."""
-    batch = PackedPairCollator()([trainer.train_dataset[i] for i in range(4)])
-    return trainer.reference.sequence_logps(batch.to(trainer.args.device)).tolist()
 
 
 def run_std(out_dir: Path) -> dict[str, Any]:
@@ -307,22 +258,10 @@ def run_bench(out_dir: Path) -> dict[str, Any]:
     results = out_dir / "bench.jsonl"
     row = bench_dpo.main(
         ["--tiny", "--tag", "fsdp2", "--ref-fsdp-shard", "false", "--ceiling", "--results", str(results)]
-        + ["--bs", "1", "--steps", "2", "--warmup", "1", "--max-length", "96"]
+        + ["--bs", "1", "--steps", "2", "--warmup", "1", "--max-length", "520"]
     )
     keys = ("fsdp2", "reference_fsdp", "fsdp_param_dtype", "deepspeed", "world", "steps_timed", "real_tok_s_gpu")
     return {key: row.get(key) for key in keys}
-
-
-def run_failing(out_dir: Path, name: str, *, resume: str | None = None, evaluate: bool = False, **kwargs: Any):
-    start = time.monotonic()
-    trainer = None
-    try:
-        trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
-        trainer.evaluate() if evaluate else trainer.train(resume_from_checkpoint=resume)
-    except PairDPOError as exc:
-        step = trainer.state.global_step if trainer is not None else None
-        return {"reason_code": exc.reason_code, "message": str(exc), "seconds": time.monotonic() - start, "step": step}
-    return {"reason_code": None, "seconds": time.monotonic() - start}
 
 
 def main() -> None:
@@ -356,7 +295,7 @@ def main() -> None:
     timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
     fsdp1 = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 1}}
     timed("fsdp1", run_failing, out_dir, "fsdp1", **fsdp1)
-    timed("eval_first", run_failing, out_dir, "eval_first", evaluate=True, eval_dataset=synthetic_pairs(8, seed=1))
+    timed("eval_first", run_failing, out_dir, "eval_first", evaluate=synthetic_pairs(8, seed=1))
     timed("peft_pre", run_failing, out_dir, "peft_pre", model=tiny_lora_llama(0), precompute_ref_logps=True)
     timed("pinned", run_pinned, out_dir, rank)
     timed("bench", run_bench, out_dir)

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,10 +19,10 @@ import yaml
 from pair_dpo_trainer.integrity import parameter_digest
 from tests.dpo_fixtures import tiny_lora_llama
 from tests.fsdp_worker import losses, tiny_tied_llama
+from tests.launch import accelerate_launch
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-distributed = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def cpu_form(config: Path, out: Path) -> Path:
@@ -45,18 +42,8 @@ def fsdp2(tmp_path_factory):
     config = cpu_form(ROOT / "accelerate_configs" / "fsdp2.yaml", root)
     out = root / "out"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     start = time.monotonic()
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "fsdp_worker.py"), str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+    accelerate_launch(config, "fsdp_worker.py", out, timeout=900)
     results = torch.load(out / "results.pt", weights_only=False)
     results["timings"]["launch"] = round(time.monotonic() - start, 1)
     print(f"\nFSDP2 launch timings (s): {results['timings']}")
@@ -299,9 +286,11 @@ def test_the_multinode_config_names_every_placeholder_it_asks_to_fill():
     assert data["rdzv_backend"] == "c10d" and data["main_process_ip"] and data["main_process_port"]
 
 
-def _plugin(**kwargs):
+def _plugin(monkeypatch, **kwargs):
+    """An FSDP2 plugin; its constructor writes ``FSDP_CPU_RAM_EFFICIENT_LOADING`` to the environment: undone after."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")
     return FullyShardedDataParallelPlugin(fsdp_version=2, **kwargs)
 
 
@@ -312,11 +301,13 @@ def _plugin(**kwargs):
         ({"activation_checkpointing": True}, {"gradient_checkpointing": True}, "recompute"),
     ],
 )
-def test_unsupported_fsdp2_settings_are_refused_with_a_reason(tmp_path, plugin_kwargs, config_kwargs, words):
+def test_unsupported_fsdp2_settings_are_refused_with_a_reason(
+    tmp_path, monkeypatch, plugin_kwargs, config_kwargs, words
+):
     from pair_dpo_trainer.modeling.fsdp2 import fsdp2_problems
     from tests.dpo_fixtures import cpu_config
 
-    problems = fsdp2_problems(_plugin(**plugin_kwargs), cpu_config(tmp_path, **config_kwargs))
+    problems = fsdp2_problems(_plugin(monkeypatch, **plugin_kwargs), cpu_config(tmp_path, **config_kwargs))
     assert [code for code, _ in problems] == ["unsupported_combination"] and words in problems[0][1]
 
 
@@ -353,6 +344,7 @@ def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_
     state = type("State", (), {"distributed_type": DistributedType.MULTI_CPU, "mixed_precision": "bf16"})()
     accelerator = type("Accelerator", (), {"state": state, "device": torch.device("cpu")})()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "false")  # the plugin's constructor writes it
     previous = PartialState().distributed_type
     try:
         plugin = fsdp2.setup_fsdp2(accelerator, args)
