@@ -10,8 +10,8 @@ Each phase writes its result under OUT_DIR; the test compares them with single-p
       ``save_model`` (full safetensors weights).
   args_fsdp: ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}`` as TrainingArguments (the issue's report,
       which trained plain DDP): 2 steps.
-  free: reference-free. tied: a model with tied input/output embeddings. peft: a LoRA policy (adapters disabled as
-      the reference). ac: FSDP's activation checkpointing.
+  free: reference-free. tied: a model with tied input/output embeddings. clip: gradient clipping that clips.
+      peft: a LoRA policy (adapters disabled as the reference). ac: FSDP's activation checkpointing.
   resume: ``std`` resumed from its checkpoint-3. replicated: the same resume with ``ref_fsdp_shard=False``.
   pre / pre_resume: precomputed reference log-probs (a cache miss, then a resume that hits the cache).
   full_state: FULL_STATE_DICT checkpoints (the TrainingArguments default): 4 steps, then a resume from step 2.
@@ -47,6 +47,8 @@ from tests.ds_worker import build_trainer, full_parameters, losses, reference_lo
 # all-gathered the same number of times on every rank).
 
 ARGS_FSDP = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
+CLIP = {"max_grad_norm": 0.1, "max_steps": 3}
+"""Gradient clipping that clips (the tiny model's gradient norms are ~0.5): Accelerate's DTensor-aware norm."""
 
 
 class FirstStepGradients(TrainerCallback):
@@ -137,7 +139,13 @@ def run_args_fsdp(out_dir: Path) -> dict[str, Any]:
 
 def run_variant(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     trainer, grads = trained(out_dir / name, **kwargs)
-    return {"losses": losses(trainer), "grads": grads, "policy": sharding(trainer.model)}
+    return {
+        "losses": losses(trainer),
+        "grads": grads,
+        "policy": sharding(trainer.model),
+        "params": full_parameters(trainer.model),
+        "grad_norms": [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry],
+    }
 
 
 def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
@@ -284,6 +292,7 @@ def main() -> None:
     ac = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "activation_checkpointing": True}}
     timed("ac", run_variant, out_dir, "ac", **ac)
     timed("gc", run_variant, out_dir, "gc", gradient_checkpointing=True)
+    timed("clip", run_variant, out_dir, "clip", **CLIP)
     timed("resume", run_resumed, out_dir, "resume")
     timed("replicated", run_resumed, out_dir, "replicated", ref_fsdp_shard=False)
     cache = str(out_dir / "ref_logps_cache")

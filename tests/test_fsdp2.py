@@ -18,7 +18,7 @@ import yaml
 
 from pair_dpo_trainer.integrity import parameter_digest
 from tests.dpo_fixtures import tiny_lora_llama
-from tests.fsdp_worker import losses, tiny_tied_llama
+from tests.fsdp_worker import CLIP, losses, tiny_tied_llama
 from tests.launch import accelerate_launch
 from tests.ports import free_port
 
@@ -57,13 +57,14 @@ def dp1(tmp_path_factory):
     from tests.fsdp_worker import trained
 
     root = tmp_path_factory.mktemp("dp1")
-    models = {"std": None, "free": None, "tied": tiny_tied_llama(0), "peft": tiny_lora_llama(0)}
+    models = {"std": None, "free": None, "tied": tiny_tied_llama(0), "peft": tiny_lora_llama(0), "clip": None}
     runs = {}
     for name, model in models.items():
-        options = {"reference_free": True} if name == "free" else {}
+        options = {"free": {"reference_free": True}, "clip": CLIP}.get(name, {})
         trainer, grads = trained(root / name, world_size=1, model=model, **options)
         params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        runs[name] = {"losses": losses(trainer), "grads": grads, "params": params}
+        norms = [entry["grad_norm"] for entry in trainer.state.log_history if "grad_norm" in entry]
+        runs[name] = {"losses": losses(trainer), "grads": grads, "params": params, "grad_norms": norms}
     return runs
 
 
@@ -299,6 +300,8 @@ def _plugin(monkeypatch, **kwargs):
     [
         ({"cpu_ram_efficient_loading": True}, {}, "cpu_ram_efficient_loading"),
         ({"activation_checkpointing": True}, {"gradient_checkpointing": True}, "recompute"),
+        ({"activation_checkpointing": True}, {"torch_compile": True}, "gradient_checkpointing=True"),
+        ({"state_dict_type": "SHARDED_STATE_DICT"}, {"save_only_model": True}, "save_only_model"),
     ],
 )
 def test_unsupported_fsdp2_settings_are_refused_with_a_reason(
@@ -448,3 +451,13 @@ def test_bench_dpo_runs_under_fsdp2_and_its_ref_fsdp_shard_flag_reaches_the_run(
     assert row["fsdp2"] is True and row["deepspeed"] is False and row["world"] == 2
     assert row["reference_fsdp"] == "replicated" and row["fsdp_param_dtype"] is None  # fp32 on the CPU
     assert row["steps_timed"] == 2 and row["real_tok_s_gpu"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gradient_clipping_under_fsdp2_uses_the_global_norm_of_dp1(fsdp2, dp1):
+    run, base = fsdp2[0]["clip"], dp1["clip"]
+    assert min(base["grad_norms"]) > CLIP["max_grad_norm"]  # the clip is active in every step
+    assert run["grad_norms"] == pytest.approx(base["grad_norms"], rel=1e-5)
+    assert run["losses"] == pytest.approx(base["losses"], abs=1e-6)
+    assert _max_diff(run["params"], base["params"]) < 1e-4  # Adam-amplified reduction-order noise, as for std

@@ -14,7 +14,8 @@ makes sure that the FSDP2 the user asked for is what runs, and tells the packed 
 - **Refused, never a fallback**: FSDP1 (``fsdp_version: 1``), ``cpu_ram_efficient_loading`` (only rank 0 would hold
   the weights the reference is copied or verified from), a ``parallelism_config`` (tensor / context / sequence
   parallel meshes split the packed rows), FSDP's activation checkpointing together with the Trainer's
-  ``gradient_checkpointing`` (the layers would be recomputed twice), and a run without a process group.
+  ``gradient_checkpointing`` (the layers would be recomputed twice) or with ``torch_compile``, ``save_only_model``
+  where the Trainer refuses it under FSDP, and a run without a process group.
 - **No output cast.** Accelerate's bf16/fp16 policy sets ``MixedPrecisionPolicy(output_dtype=...)``, which casts
   every FSDP unit's floating outputs, the LM head's included. The packed path returns float32 per-token log-probs
   from the head (see :func:`pair_dpo_trainer.logprobs.packed_sequence_logps`); cast to bf16 they would lose ~3
@@ -143,16 +144,43 @@ def fsdp2_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
                 "data-parallel only (packed rows are not split across ranks): remove parallelism_config.",
             )
         )
-    trainer_checkpointing = getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing
-    if getattr(plugin, "activation_checkpointing", False) and trainer_checkpointing:
+    problems.extend(_checkpointing_problems(plugin, args))
+    if args.save_only_model and ("SHARDED" in str(plugin.state_dict_type) or args.load_best_model_at_end):
         problems.append(
+            (
+                "unsupported_combination",
+                "save_only_model=True under FSDP2 with SHARDED_STATE_DICT checkpoints or load_best_model_at_end "
+                "(the Trainer's own FSDP rule): set save_only_model=False, or fsdp_state_dict_type: FULL_STATE_DICT "
+                "without load_best_model_at_end.",
+            )
+        )
+    return problems
+
+
+def _checkpointing_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
+    """FSDP's activation checkpointing with the Trainer's, or with ``torch_compile`` (the decoder layers are compiled
+    in place before Accelerate wraps them for checkpointing, the reverse of Accelerate's own order: not verified)."""
+    if not getattr(plugin, "activation_checkpointing", False):
+        return []
+    if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
+        return [
             (
                 "unsupported_combination",
                 "FSDP activation_checkpointing and gradient_checkpointing=True would both recompute every decoder "
                 "layer: keep one (fsdp_activation_checkpointing: true and gradient_checkpointing=False under FSDP).",
             )
-        )
-    return problems
+        ]
+    if args.torch_compile:
+        return [
+            (
+                "unsupported_combination",
+                "torch_compile=True with FSDP activation_checkpointing: pair_dpo_trainer compiles the decoder layers "
+                "before Accelerate wraps them in checkpoint wrappers, an order it does not verify. Use "
+                "gradient_checkpointing=True (the Trainer's per-layer checkpointing) with "
+                "fsdp_activation_checkpointing false, or set torch_compile=False.",
+            )
+        ]
+    return []
 
 
 def _install(accelerator: Any, plugin: Any) -> None:
