@@ -11,6 +11,7 @@ Each phase writes its result under OUT_DIR; the test compares them with single-p
   args_fsdp: ``fsdp="full_shard"``, ``fsdp_config={"fsdp_version": 2}`` as TrainingArguments (the issue's report,
       which trained plain DDP): 2 steps.
   free: reference-free. tied: a model with tied input/output embeddings. clip: gradient clipping that clips.
+      bf16: bf16 mixed precision (the head's log-probs stay float32; the reference computes what the policy does).
       peft: a LoRA policy (adapters disabled as the reference). ac: FSDP's activation checkpointing.
   resume: ``std`` resumed from its checkpoint-3. replicated: the same resume with ``ref_fsdp_shard=False``.
   pre / pre_resume: precomputed reference log-probs (a cache miss, then a resume that hits the cache).
@@ -40,7 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
 from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_lora_llama  # noqa: E402
-from tests.ds_worker import build_trainer, full_parameters, losses, reference_logps, run_failing  # noqa: E402
+from tests.ds_worker import (  # noqa: E402
+    LOGPS_CHUNK,
+    build_trainer,
+    full_parameters,
+    losses,
+    reference_logps,
+    run_failing,
+)
 
 # The ZeRO-3 worker's run (tests/ds_worker.py): 48 pairs, 6 steps of 8 pairs in 2 micro-batches per rank, fp32, no
 # clipping, log-prob chunks of 7 tokens (ranks project different numbers of chunks: the sharded head must still be
@@ -134,6 +142,26 @@ def run_args_fsdp(out_dir: Path) -> dict[str, Any]:
         "losses": losses(trainer),
         "policy": sharding(trainer.model),
         "reference": sharding(trainer.reference.model),
+    }
+
+
+def run_bf16(out_dir: Path) -> dict[str, Any]:
+    """bf16 mixed precision (fp32 master weights, bf16 compute and reduce-scatter; bf16 runs on the CPU and gloo)."""
+    from pair_dpo_trainer.collators.packed import PackedPairCollator
+    from pair_dpo_trainer.logprobs import packed_sequence_logps
+
+    trainer, _ = trained(out_dir / "bf16", max_steps=2, bf16=True)
+    batch = PackedPairCollator()([trainer.train_dataset[i] for i in range(4)]).to(trainer.args.device)
+    with torch.no_grad():
+        policy_logps = packed_sequence_logps(trainer.model, batch, chunk_size=LOGPS_CHUNK)
+    policy = trainer.fsdp_plugin.mixed_precision_policy
+    return {
+        "losses": losses(trainer),
+        "policy_logps_dtype": str(policy_logps.dtype),
+        "param_dtype": str(policy.param_dtype),
+        "output_dtype": str(policy.output_dtype),
+        "reference_param_dtypes": sorted({str(p.dtype) for p in trainer.reference.model.parameters()}),
+        "reference_buffer_dtypes": sorted({str(b.dtype) for b in trainer.reference.model.buffers()}),
     }
 
 
@@ -293,6 +321,7 @@ def main() -> None:
     timed("ac", run_variant, out_dir, "ac", **ac)
     timed("gc", run_variant, out_dir, "gc", gradient_checkpointing=True)
     timed("clip", run_variant, out_dir, "clip", **CLIP)
+    timed("bf16", run_bf16, out_dir)
     timed("resume", run_resumed, out_dir, "resume")
     timed("replicated", run_resumed, out_dir, "replicated", ref_fsdp_shard=False)
     cache = str(out_dir / "ref_logps_cache")

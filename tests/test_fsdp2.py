@@ -461,3 +461,15 @@ def test_gradient_clipping_under_fsdp2_uses_the_global_norm_of_dp1(fsdp2, dp1):
     assert run["grad_norms"] == pytest.approx(base["grad_norms"], rel=1e-5)
     assert run["losses"] == pytest.approx(base["losses"], abs=1e-6)
     assert _max_diff(run["params"], base["params"]) < 1e-4  # Adam-amplified reduction-order noise, as for std
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bf16_mixed_precision_keeps_float32_logps_and_a_reference_equal_to_the_policy_at_step_0(fsdp2):
+    """Accelerate's bf16 policy would cast the head's float32 log-probs to bf16 (output_dtype, cleared); a reference
+    cast with ``.to(bf16)`` would round the rotary buffer and differ from the policy at step 0 (loss != ln 2)."""
+    run = fsdp2[0]["bf16"]
+    assert run["param_dtype"] == "torch.bfloat16" and run["output_dtype"] == "None"
+    assert run["policy_logps_dtype"] == "torch.float32"
+    assert run["reference_param_dtypes"] == ["torch.bfloat16"] and "torch.float32" in run["reference_buffer_dtypes"]
+    assert run["losses"][0] == pytest.approx(math.log(2), abs=1e-6)

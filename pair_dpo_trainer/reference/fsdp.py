@@ -3,8 +3,9 @@
 Under an FSDP2 policy (``modeling.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
 ``accelerator.prepare`` takes one model). It is built here, in one of two layouts (``PairDPOConfig.ref_fsdp_shard``):
 
-- **Sharded** (default, ``None`` or ``True``): cast to the policy's FSDP2 compute dtype (``param_dtype`` of the
-  plugin's mixed-precision policy: bf16 with ``bf16=True``; unchanged in fp32), ``eval()``,
+- **Sharded** (default, ``None`` or ``True``): its parameters cast to the policy's FSDP2 compute dtype
+  (``param_dtype`` of the plugin's mixed-precision policy: bf16 with ``bf16=True``; unchanged in fp32; buffers keep
+  their dtype, as under the policy's mixed-precision policy: :func:`cast_parameters`), ``eval()``,
   ``requires_grad_(False)``, then ``fully_shard`` on every decoder layer, on the input embedding (when it is not
   tied to the head) and on the root (final norm, head), each with ``reshard_after_forward=True``: a unit is
   all-gathered for its forward and freed right after, so the reference never holds more than one layer unsharded
@@ -106,7 +107,7 @@ def build_fsdp_reference(
     dtype = compute_dtype(plugin)
     model = model.eval().requires_grad_(False)
     if dtype is not None:
-        model = model.to(dtype)
+        cast_parameters(model, dtype)
     if args.torch_compile:
         options = {"backend": args.torch_compile_backend or "inductor", "mode": args.torch_compile_mode}
         compile_decoder_layers(model, **options)
@@ -117,6 +118,14 @@ def build_fsdp_reference(
         model = model.to(device)
     logger.info("FSDP2 reference: %s, %s", "sharded" if shard else "replicated", dtype or "parameter dtype")
     return FrozenReference(model, chunk_size=args.logps_chunk_size)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts the parameters (not the buffers) to ``dtype`` in place, as FSDP2's ``MixedPrecisionPolicy`` does for the
+    policy: a buffer such as the rotary ``inv_freq`` stays float32 (``model.to(bf16)`` would round it, and the
+    reference would no longer compute what the policy computes at step 0). Tied parameters stay tied."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
 
 
 def shard_reference(model: torch.nn.Module, *, offload: bool = False) -> None:
