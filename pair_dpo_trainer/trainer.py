@@ -37,7 +37,7 @@ from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.modeling.fsdp2 import check_fsdp_version, full_state_dict, is_fsdp_managed, setup_fsdp2
+from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
@@ -342,12 +342,7 @@ class PairDPOTrainer(Trainer):
     ) -> EvalLoopOutput:
         """Runs the packed eval forwards and returns pair-weighted metrics reduced over ranks."""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
-        if self.fsdp_plugin is not None and not is_fsdp_managed(model):
-            raise ConfigError(
-                "unsupported_combination",
-                "evaluate() before train() under FSDP2: Accelerate shards the policy only together with its optimizer "
-                "(in train()); evaluate after train(), or set eval_on_start=True to evaluate at step 0 of train().",
-            )
+        check_evaluable(self.fsdp_plugin, model)
         if len(self.accelerator._models) == 0 and model is self.model and self.is_deepspeed_enabled:
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
         model.eval()

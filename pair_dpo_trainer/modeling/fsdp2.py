@@ -213,6 +213,21 @@ def is_fsdp_managed(model: torch.nn.Module) -> bool:
     return isinstance(model, FSDPModule) or isinstance(unwrap_model(model), FSDPModule)
 
 
+def check_evaluable(plugin: Any, model: torch.nn.Module) -> None:
+    """Refuses an evaluation under FSDP2 before Accelerate sharded the policy (it does so only together with the
+    optimizer, in ``train()``; the Trainer's own model-only ``accelerator.prepare`` raises under FSDP2).
+
+    Raises:
+        ConfigError: ``unsupported_combination``.
+    """
+    if plugin is not None and not is_fsdp_managed(model):
+        raise ConfigError(
+            "unsupported_combination",
+            "evaluate() before train() under FSDP2: Accelerate shards the policy only together with its optimizer "
+            "(in train()); evaluate after train(), or set eval_on_start=True to evaluate at step 0 of train().",
+        )
+
+
 def compute_dtype(plugin: Any) -> torch.dtype | None:
     """The dtype FSDP2 all-gathers parameters in and computes with (``param_dtype``); None: the parameters' own."""
     return getattr(plugin.mixed_precision_policy, "param_dtype", None)
