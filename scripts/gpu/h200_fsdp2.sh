@@ -8,6 +8,7 @@
 # 2. train.py on the bundled demo model under FSDP2, bf16: 20 steps (eval at 0 and 10/20, checkpoints at 10 and 20),
 #    then a resume from checkpoint-10: the largest loss difference of steps 11-20 (expect 0 up to bf16 kernel noise),
 #    the first eval loss (expect 0.6931) and the final weights file (expect model.safetensors).
+# 3. If time is left: fsdp2_254m_compile (--compile: regional inductor compile under FSDP2; graphs in warmup steps).
 # Every run is capped by its own timeout AND by a 250 s deadline for the whole call; files that come back: env.log,
 # bench.log, train.log (with the loss comparison), results.jsonl, state_demo*.json, fsdp2_resume.png.
 START=$(date +%s); DEADLINE=$((START + 250))
@@ -31,7 +32,8 @@ left() { echo $((DEADLINE - $(date +%s))); }
   --labels straight resumed --out $OUT/fsdp2_resume.png; python3 -c "import json,sys; h=json.load(open(sys.argv[1]))\
 ['log_history']; print('first eval_loss', [e['eval_loss'] for e in h if 'eval_loss' in e][:1])" $W/demo/trainer_state.json
 } > $OUT/train.log 2>&1; cat $OUT/train.log
+run 120 bench.log $F --main_process_port 29635 $B --tag fsdp2_254m_compile --compile  # only with time left
 grep -h -E "^(RESULT|CEILING skipped|SKIPPED|Traceback|\S*Error)" $OUT/bench.log | cut -c1-400
 python3 scripts/bench_report.py $OUT/results.jsonl --ratio fsdp2_254m base_254m --ratio fsdp2_254m_refrep base_254m \
-  --ratio fsdp2_254m_refrep fsdp2_254m
+  --ratio fsdp2_254m_refrep fsdp2_254m --ratio fsdp2_254m_compile fsdp2_254m
 echo "total $(($(date +%s) - START))s"
