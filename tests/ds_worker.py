@@ -269,7 +269,7 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pair_dpo_trainer.demo import DEMO_REVISION
-    from tests.test_reference_gate import _copy_snapshot, _reweight
+    from tests.test_reference_gate import _copy_snapshot
 
     snapshot = out_dir / "snapshot"
     if rank == 0:
@@ -298,12 +298,22 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
         "reference_logps": reference_logps(trainer),
         "sharded_logps": sharded_logps,
     }
+    result["tamper"] = resume_reweighted(out_dir, snapshot, rank, options)
+    return result
+
+
+def resume_reweighted(out_dir: Path, snapshot: Path, rank: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 changes the snapshot's weights (metadata rewritten consistently, so it still verifies); the resume of
+    the ``pinned`` run from its checkpoint-2 must then be refused (:func:`run_failing`'s result)."""
+    import torch.distributed as dist
+
+    from tests.test_reference_gate import _reweight
+
     if rank == 0:
         _reweight(snapshot, scale=1.5)
     dist.barrier()
     checkpoint = str(out_dir / "pinned" / "checkpoint-2")
-    result["tamper"] = run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
-    return result
+    return run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
 
 
 def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:

@@ -47,6 +47,7 @@ from tests.ds_worker import (  # noqa: E402
     full_parameters,
     losses,
     reference_logps,
+    resume_reweighted,
     run_failing,
 )
 
@@ -264,7 +265,7 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pair_dpo_trainer.demo import DEMO_REVISION
-    from tests.test_reference_gate import _copy_snapshot, _reweight
+    from tests.test_reference_gate import _copy_snapshot
 
     snapshot = out_dir / "snapshot"
     if rank == 0:
@@ -277,11 +278,7 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
         "reference": sharding(trainer.reference.model),
         "identity": trainer.reference_identity.to_dict(),
     }
-    if rank == 0:
-        _reweight(snapshot, scale=1.5)
-    dist.barrier()
-    checkpoint = str(out_dir / "pinned" / "checkpoint-2")
-    result["tamper"] = run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
+    result["tamper"] = resume_reweighted(out_dir, snapshot, rank, options)
     return result
 
 
