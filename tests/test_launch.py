@@ -75,6 +75,9 @@ EXPECTED_CONFIGS = {
     "zero3_offload.yaml": ("deepspeed", 8, {"zero_stage": 3, "offload_param_device": "cpu"}),
     "zero3_overlap.yaml": ("deepspeed", 8, {"zero_stage": 3}),
     "zero3_multinode.yaml": ("deepspeed", 64, {"zero_stage": 3, "num_machines": 8}),
+    "fsdp2.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": False, "mixed_precision": "bf16"}),
+    "fsdp2_offload.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": True}),
+    "fsdp2_multinode.yaml": ("fsdp (torchrun)", 64, {"fsdp_version": 2, "num_machines": 8}),
 }
 
 
@@ -85,8 +88,9 @@ def _accelerate_decision(config: Path) -> tuple[str, int, dict]:
     args, defaults, _ = _validate_launch_command(
         launch_command_parser().parse_args(["--config_file", str(config), "x"])
     )
-    launcher = "deepspeed" if args.use_deepspeed else "torchrun" if args.multi_gpu else "single process"
-    ds = dict(defaults.deepspeed_config or {})
+    launcher = "deepspeed" if args.use_deepspeed else "fsdp (torchrun)" if args.use_fsdp else None
+    launcher = launcher or ("torchrun" if args.multi_gpu else "single process")
+    ds = {**(defaults.deepspeed_config or {}), **(defaults.fsdp_config or {})}
     if "deepspeed_config_file" in ds:
         ds_file = json.loads((ROOT / ds["deepspeed_config_file"]).read_text())
         ds["zero_stage"] = ds_file["zero_optimization"]["stage"]
