@@ -29,8 +29,8 @@ OURS = {f.name for f in dataclasses.fields(PairDPOConfig)}
 
 
 def test_every_trl_dpo_field_is_ours_or_has_a_named_equivalent():
-    for name in sorted(TRL_1_16_DPO_FIELDS):
-        assert (name in OURS) + (name in TRL_CONFIG_EQUIVALENTS) + (name in LOSS_FIELDS) == 1, name
+    for name in sorted(TRL_1_16_DPO_FIELDS):  # a loss field may already be ours once the loss work lands
+        assert name in OURS or name in TRL_CONFIG_EQUIVALENTS or name in LOSS_FIELDS, name
     assert {"beta", "loss_type", "label_smoothing", "max_length", "precompute_ref_log_probs"} <= OURS
     assert not set(TRL_CONFIG_EQUIVALENTS) & LOSS_FIELDS
     assert not set(TRL_CONFIG_EQUIVALENTS) & OURS  # a table entry never shadows a real field
