@@ -8,7 +8,8 @@ specs trained one after the other in this process. Each spec has:
 - ``out`` (output_dir); ``result``: each rank writes its outcome to ``<result>.rank<R>.json``, plus
   ``<result>.rank<R>.pt`` (final parameters, logged losses) when the run ends normally;
 - ``max_steps``, ``save_steps``, ``save_total_limit``, ``num_pairs``, ``data_seed``, ``seed``, ``ga``,
-  ``ddp_timeout``, ``reference_free``, ``deepspeed`` (a DeepSpeed config dict), ``resume`` (passed to ``train``);
+  ``ddp_timeout``, ``reference_free``, ``deepspeed`` (a DeepSpeed config dict), ``resume`` (passed to ``train``),
+  ``gpu`` (one CUDA device per rank, NCCL);
 - ``step_sleep`` (seconds per step, so a test can signal a run mid-way), ``progress`` (a file each rank appends
   ``rank step time`` to after every step), ``hold_until`` (after step 1, wait until that file exists);
 - ``fault`` (optional), a real signal or a real full disk:
@@ -167,6 +168,8 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
     )
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
+    if spec.get("gpu"):  # scripts/gpu/nccl_faults.py: NCCL on one GPU per rank
+        options.update(use_cpu=False, attn_backend="sdpa_segments")
     pairs = synthetic_pairs(spec.get("num_pairs", 64), seed=spec.get("data_seed", 0))
     trainer = PairDPOTrainer(
         model=tiny_llama(0), args=cpu_config(Path(spec["out"]), **options), train_dataset=pairs,

@@ -26,13 +26,12 @@ def run_spec(root: Path, name: str, **options: Any) -> dict[str, Any]:
     return {"out": str(base / "out"), "result": str(base / "result"), "progress": str(base / "progress"), **options}
 
 
-def worker_env(rank: int = 0, world_size: int = 1, port: int | None = None) -> dict[str, str]:
+def worker_env(rank: int = 0, world_size: int = 1, port: int | None = None, gpu: bool = False) -> dict[str, str]:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
+        **({} if gpu else {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
         "TORCH_EXTENSIONS_DIR": os.environ.get(
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
         ),
@@ -49,17 +48,20 @@ def worker_env(rank: int = 0, world_size: int = 1, port: int | None = None) -> d
     return env
 
 
-def launch(runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1) -> list[subprocess.Popen]:
+def launch(
+    runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1, extra_env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
     """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes."""
     config = json.dumps({"runs": runs})
     port = free_port()
+    gpu = any(run.get("gpu") for run in runs)
     procs = []
     for rank in range(world_size):
         log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process is reaped
         procs.append(
             subprocess.Popen(
                 [sys.executable, str(WORKER), config],
-                env=worker_env(rank, world_size, port),
+                env={**worker_env(rank, world_size, port, gpu=gpu), **(extra_env or {})},
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -129,3 +131,15 @@ def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
     assert set(a) == set(b) and len(a) > 0
     for name, value in a.items():
         torch.testing.assert_close(b[name], value, atol=atol, rtol=0, msg=name)
+
+
+def signal_rank_after(
+    spec: dict[str, Any], procs: list[subprocess.Popen], rank: int, step: int, sig: int, timeout: float
+) -> list[int | None]:
+    """Sends ``sig`` to ``rank`` once it reported ``step``, then returns every rank's exit code (all killed after)."""
+    try:
+        wait_for_progress(spec, rank, step, procs, timeout=timeout)
+        os.kill(procs[rank].pid, sig)
+        return wait(procs, timeout)
+    finally:
+        kill_all(procs)

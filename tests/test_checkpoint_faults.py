@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from pair_dpo_trainer.errors import CheckpointError
-from pair_dpo_trainer.runtime.checkpoint import STAGING_DIRNAME, checkpoint_problem, list_checkpoints
+from pair_dpo_trainer.runtime.checkpoint import STAGING_DIRNAME, checkpoint_problem, list_checkpoints, read_manifest
 from tests.ds_worker import full_parameters
 from tests.fault_worker import build
-from tests.faults import assert_same_parameters, logs, outcome, run_spec, run_to_end
+from tests.faults import assert_same_parameters, final_state, logs, outcome, run_spec, run_to_end
 
 STEPS = 8
 
@@ -160,7 +160,7 @@ def test_a_full_disk_during_a_save_raises_disk_full_and_leaves_no_partial_checkp
     error = full.value
     out = Path(spec["out"])
     assert error.reason_code == "disk_full", error
-    assert str(out) in str(error) and "MiB free of" in str(error) and error.free_bytes < free_bytes
+    assert str(out) in str(error) and "free of 2.0 MiB" in str(error) and error.free_bytes < free_bytes
     assert [step for step, _ in list_checkpoints(out)] == [2]
     assert checkpoint_problem(out / "checkpoint-2") is None
     assert not (out / STAGING_DIRNAME).exists() or not any((out / STAGING_DIRNAME).iterdir())
@@ -186,3 +186,26 @@ def test_a_full_disk_on_the_main_rank_stops_every_rank_with_disk_full(small_tmpf
         assert result["reason_code"] == "disk_full", result
         assert spec["out"] in result["message"]
     assert [step for step, _ in list_checkpoints(spec["out"])] == [2]
+
+
+# ---------------------------------------------------------------------------------------------- DeepSpeed ZeRO-3
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_zero3_rank_killed_while_writing_its_shard_keeps_the_last_complete_checkpoint_and_resume_is_exact(tmp_path):
+    pytest.importorskip("deepspeed")
+    from tests.test_deepspeed import DS_CONFIG
+
+    fault = {"kind": "save", "point": "shard", "signal": "KILL", "step": 4, "rank": 1}
+    killed = run_spec(tmp_path, "killed", max_steps=6, deepspeed=DS_CONFIG, ddp_timeout=60, fault=fault)
+    codes = run_to_end([killed], tmp_path / "killed", world_size=2)
+    assert codes[1] == -9 and codes[0] not in (0, None), logs(tmp_path / "killed")
+    visible = list_checkpoints(killed["out"])
+    assert [step for step, _ in visible] == [2] and checkpoint_problem(visible[0][1]) is None
+    shards = [name for name in read_manifest(visible[0][1])["files"] if "optim_states" in name]
+    assert len(shards) == 2 and {"zero_pp_rank_0", "zero_pp_rank_1"} <= {n.split("/")[-1][:14] for n in shards}
+    resumed = {**killed, "fault": None, "resume": "latest", "result": killed["result"] + "_resumed"}
+    straight = run_spec(tmp_path, "straight", max_steps=6, deepspeed=DS_CONFIG)
+    assert run_to_end([resumed, straight], tmp_path / "killed", world_size=2) == [0, 0], logs(tmp_path / "killed")
+    after = [loss for step, loss in final_state(resumed)["losses"] if step > 2]
+    assert after == pytest.approx([loss for step, loss in final_state(straight)["losses"] if step > 2], abs=1e-6)
+    assert_same_parameters(final_state(straight)["params"], final_state(resumed)["params"], atol=1e-6)

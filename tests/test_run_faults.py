@@ -38,6 +38,7 @@ from tests.faults import (
     outcome,
     run_spec,
     run_to_end,
+    signal_rank_after,
     wait,
     wait_for_progress,
 )
@@ -191,13 +192,7 @@ def test_a_stalled_or_dead_rank_ends_the_other_rank_within_ddp_timeout_naming_th
 @pytest.mark.slow
 def test_sigterm_saves_the_current_step_exits_75_and_resume_equals_the_uninterrupted_run(tmp_path):
     spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4)
-    procs = launch([spec], tmp_path / "run")
-    try:
-        wait_for_progress(spec, 0, 2, procs, timeout=120)
-        os.kill(procs[0].pid, signal.SIGTERM)
-        codes = wait(procs, 120)
-    finally:
-        kill_all(procs)
+    codes = signal_rank_after(spec, launch([spec], tmp_path / "run"), 0, 2, signal.SIGTERM, timeout=200)
     assert codes == [PREEMPTED_EXIT_CODE], logs(tmp_path / "run")
     (step, checkpoint), *_ = list_checkpoints(spec["out"])
     assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
@@ -214,12 +209,7 @@ def test_sigterm_saves_the_current_step_exits_75_and_resume_equals_the_uninterru
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path):
     spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4, ddp_timeout=60)
     procs = launch([spec], tmp_path / "run", world_size=2)
-    try:
-        wait_for_progress(spec, 1, 2, procs, timeout=200)
-        os.kill(procs[1].pid, signal.SIGTERM)  # only rank 1 is signalled
-        codes = wait(procs, 200)
-    finally:
-        kill_all(procs)
+    codes = signal_rank_after(spec, procs, 1, 2, signal.SIGTERM, timeout=300)  # only rank 1 is signalled
     assert codes == [PREEMPTED_EXIT_CODE] * 2, logs(tmp_path / "run")
     assert outcome(spec, 0)["reason_code"] == outcome(spec, 1)["reason_code"] == "preempted"
     (step, checkpoint), *_ = list_checkpoints(spec["out"])

@@ -308,7 +308,7 @@ def disk_full_error(exc: BaseException, run_dir: Path, name: str) -> CheckpointE
     writer = any(marker in text for text in texts for marker in _WRITER_FAILURE_TEXT)
     if not (full or (writer and free is not None and free < _NEARLY_FULL_BYTES)):
         return None
-    space = "unknown" if free is None else f"{_mib(free)} free of {_mib(total)}"
+    space = "free space unknown" if free is None else f"{_size(free)} free of {_size(total)}"
     error = CheckpointError(
         "disk_full",
         f"no space left on the filesystem of {run_dir} while writing {name} ({space}): the partial {name} was "
@@ -327,5 +327,7 @@ def _space(path: Path) -> tuple[int | None, int | None]:
     return usage.free, usage.total
 
 
-def _mib(value: int | None) -> str:
-    return "?" if value is None else f"{value / 2**20:.1f} MiB"
+def _size(value: int | None) -> str:
+    if value is None:
+        return "?"
+    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"

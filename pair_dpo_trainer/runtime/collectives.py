@@ -71,24 +71,34 @@ def apply_collective_timeout(seconds: float) -> int:
 
 
 def check_nccl_error_handling(environ: Any = os.environ) -> None:
-    """Refuses an NCCL run whose environment switched the collective timeout off.
+    """Refuses an NCCL run whose environment switched the collective timeout off (see :func:`nccl_timeout_problem`).
 
     Raises:
-        ConfigError: ``unsupported_combination`` when ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (or the older
-            ``NCCL_ASYNC_ERROR_HANDLING``) is 0 and ``TORCH_NCCL_BLOCKING_WAIT`` is not 1.
+        ConfigError: ``unsupported_combination``.
     """
     if not (dist.is_available() and dist.is_initialized()) or "nccl" not in str(dist.get_backend()):
         return
+    problem = nccl_timeout_problem(environ)
+    if problem is not None:
+        raise ConfigError("unsupported_combination", problem)
+
+
+def nccl_timeout_problem(environ: Any) -> str | None:
+    """Why NCCL collectives would never time out under ``environ``, or None.
+
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` (or the older ``NCCL_ASYNC_ERROR_HANDLING``) set to 0 without
+    ``TORCH_NCCL_BLOCKING_WAIT=1`` leaves a timed-out collective unhandled.
+    """
     handling = environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", environ.get("NCCL_ASYNC_ERROR_HANDLING"))
     blocking = environ.get("TORCH_NCCL_BLOCKING_WAIT", environ.get("NCCL_BLOCKING_WAIT", "0"))
-    if handling is not None and handling.strip() == "0" and blocking.strip() != "1":
-        raise ConfigError(
-            "unsupported_combination",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 without TORCH_NCCL_BLOCKING_WAIT=1 turns off NCCL's collective "
-            "timeout: a stalled or dead rank would hang every other rank forever instead of ending the job after "
-            "ddp_timeout. Unset TORCH_NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, tears the process down on a "
-            "timeout) or set TORCH_NCCL_BLOCKING_WAIT=1.",
-        )
+    if handling is None or handling.strip() != "0" or blocking.strip() == "1":
+        return None
+    return (
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING=0 without TORCH_NCCL_BLOCKING_WAIT=1 turns off NCCL's collective timeout: a "
+        "stalled or dead rank would hang every other rank forever instead of ending the job after ddp_timeout. Unset "
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING (torch's default, 3, tears the process down on a timeout) or set "
+        "TORCH_NCCL_BLOCKING_WAIT=1."
+    )
 
 
 def collective_failure(exc: BaseException, *, timeout_s: float, rank: int) -> RunError | None:

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pair_dpo_trainer.atomic import fsync_dir
+from pair_dpo_trainer.atomic import atomic_open, fsync_dir
 from pair_dpo_trainer.errors import RunError
 
 LOCK_FILENAME = ".pair_dpo.lock"
@@ -200,9 +200,7 @@ def _create_exclusive(path: Path, record: str) -> bool:
     """Creates ``path`` with ``record`` atomically; False if it exists. The content is complete when it appears."""
     tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        f.write(record)
-        f.flush()
-        os.fsync(f.fileno())
+        _write_synced(f, record)
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -210,32 +208,27 @@ def _create_exclusive(path: Path, record: str) -> bool:
     except OSError as exc:  # a filesystem without hard links: O_EXCL creation (content written right after)
         if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
             raise
-        return _create_excl_open(path, record)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            _write_synced(f, record)
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(path.parent)
     return True
 
 
-def _create_excl_open(path: Path, record: str) -> bool:
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        return False
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(record)
-        f.flush()
-        os.fsync(f.fileno())
-    return True
+def _write_synced(f, record: str) -> None:
+    f.write(record)
+    f.flush()
+    os.fsync(f.fileno())
 
 
 def _replace(path: Path, record: str) -> None:
-    tmp = path.with_name(f"{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_open(path) as f:
         f.write(record)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     fsync_dir(path.parent)
 
 
