@@ -9,7 +9,7 @@ specs trained one after the other in this process. Each spec has:
   ``<result>.rank<R>.pt`` (final parameters, logged losses) when the run ends normally;
 - ``max_steps``, ``save_steps``, ``save_total_limit``, ``num_pairs``, ``data_seed``, ``seed``, ``ga``,
   ``ddp_timeout``, ``reference_free``, ``deepspeed`` (a DeepSpeed config dict), ``resume`` (passed to ``train``),
-  ``gpu`` (one CUDA device per rank, NCCL);
+  ``gpu`` (one CUDA device per rank, NCCL, when there is CUDA), ``use_cpu``;
 - ``step_sleep`` (seconds per step, so a test can signal a run mid-way), ``progress`` (a file each rank appends
   ``rank step time`` to after every step), ``hold_until`` (after step 1, wait until that file exists);
 - ``fault`` (optional), a real signal or a real full disk:
@@ -168,8 +168,10 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
     )
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
-    if spec.get("gpu"):  # scripts/gpu/nccl_faults.py: NCCL on one GPU per rank
+    if spec.get("gpu") and torch.cuda.is_available():  # scripts/gpu/nccl_faults.py: NCCL, one GPU per rank
         options.update(use_cpu=False, attn_backend="sdpa_segments")
+    if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: every process is a world-size-1 job of its own
+        options["use_cpu"] = spec["use_cpu"]
     pairs = synthetic_pairs(spec.get("num_pairs", 64), seed=spec.get("data_seed", 0))
     trainer = PairDPOTrainer(
         model=tiny_llama(0), args=cpu_config(Path(spec["out"]), **options), train_dataset=pairs,

@@ -150,6 +150,19 @@ def test_every_rank_refuses_when_the_main_process_finds_the_output_dir_in_use(tm
     assert list_checkpoints(spec["out"]) == []
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_processes_that_do_not_form_one_job_are_caught_by_the_lock(tmp_path):
+    """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine: the Trainer treats each process as the
+    main process of a world-size-1 job (issue 14 item 2), so both write one output_dir: one is refused the lock, and
+    since they share a process group both learn it and stop before any step."""
+    spec = run_spec(tmp_path, "run", max_steps=4, use_cpu=False)
+    codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
+    assert codes == [1, 1], logs(tmp_path / "run")
+    assert {outcome(spec, rank)["reason_code"] for rank in (0, 1)} == {"output_dir_in_use"}
+    assert list_checkpoints(spec["out"]) == []
+
+
 # ---------------------------------------------------------------------------------------------- stalled / dead rank
 STALL_TIMEOUT = 10
 

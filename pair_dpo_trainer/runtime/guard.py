@@ -113,7 +113,11 @@ class RunGuard:
 
     # ------------------------------------------------------------------ internals
     def _lock(self, trainer: Any) -> None:
-        """The main process takes the output-dir lock (once per trainer); every rank learns the outcome."""
+        """The main process takes the output-dir lock (once per trainer); every rank learns the outcome.
+
+        Processes that share a process group but are each their own Trainer "main process" (a launch that does not
+        form one job, e.g. torchrun without ``use_cpu`` on a CPU-only machine) all try; one is refused, so all stop.
+        """
         if self._locked == self.args.output_dir:
             return
         refusal = None
@@ -126,9 +130,9 @@ class RunGuard:
                 if warning:
                     logger.warning(warning)
                 weakref.finalize(trainer, release_output_dir, self.args.output_dir)
-        refusal = all_gather_cpu(refusal)[0]
-        if refusal is not None:
-            raise RunError(*refusal)
+        refusals = [r for r in all_gather_cpu(refusal) if r is not None]  # any rank that tried and was refused
+        if refusals:
+            raise RunError(*refusals[0])
         self._locked = self.args.output_dir
 
     def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
