@@ -185,7 +185,7 @@ def test_overwrite_replaces_a_previous_output(tmp_path, tokenizer_dir, demo_rows
         ),
         ("bad-tokenizer", (), (10, 5), "--tokenizer"),
         ("shared-prompt", (), (2, 1), "distinct prompts"),
-        ("strict", ("--strict",), (10, 5), "[schema] in.jsonl row 60"),
+        ("strict", ("--strict",), (10, 5), "[schema] in.jsonl row 61:"),  # the 61st row: numbered from 1
     ],
 )
 def test_errors_exit_2_without_partial_output(tmp_path, tokenizer_dir, demo_rows, capsys, case, extra, sizes, message):
@@ -207,7 +207,7 @@ def test_errors_exit_2_without_partial_output(tmp_path, tokenizer_dir, demo_rows
     elif case == "strict":
         _write_jsonl(source, [*demo_rows, {"prompt": "x"}])
     out = tmp_path / "nested" / "out"
-    assert _prepare([source], out, tokenizer, *extra, train=sizes[0], eval_=sizes[1]) == 2
+    assert _prepare([source], out, tokenizer, *extra, "--disable-tqdm", train=sizes[0], eval_=sizes[1]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pair-dpo prepare-data: error: ") and message in err
     _assert_no_leftovers(out)
@@ -264,3 +264,17 @@ def _tokenizer(path: str):
 
         _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
     return _TOKENIZERS[path]
+
+
+def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(tmp_path, tokenizer_dir, demo_rows, capsys):
+    source = _write_jsonl(tmp_path / "in.jsonl", demo_rows)
+    tok = _tokenizer(tokenizer_dir)
+    costs = sorted(tokenize_pair(normalize_row(r), tok, max_length=1024, max_prompt_length=512).cost for r in demo_rows)
+    budget = costs[len(costs) // 2]  # about half the pairs cost more
+    out = tmp_path / "out"
+    code = _prepare([source], out, tokenizer_dir, "--max-tokens-per-microbatch", str(budget), train=10, eval_=2)
+    assert code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["max_tokens_per_microbatch"] == budget
+    assert manifest["rejections"]["pair_too_long"] == sum(c > budget for c in costs) > 0
+    assert "pair_too_long" in capsys.readouterr().out
