@@ -173,12 +173,13 @@ def test_a_full_disk_during_a_save_raises_disk_full_and_leaves_no_partial_checkp
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_a_full_disk_on_the_main_rank_stops_every_rank_with_disk_full(small_tmpfs):
+def test_a_full_disk_on_the_main_rank_stops_every_rank_with_disk_full(tmp_path, small_tmpfs):
     spec = {
-        **run_spec(small_tmpfs, "run", max_steps=6, ddp_timeout=30),
+        **run_spec(tmp_path, "run", max_steps=6, ddp_timeout=30),  # logs and results off the full disk
+        "out": str(small_tmpfs / "out"),
         "fault": {"kind": "fill_disk", "step": 3, "free": 150_000, "rank": 0},
     }
-    logs_dir = small_tmpfs / "run"
+    logs_dir = tmp_path / "run"
     codes = run_to_end([spec], logs_dir, world_size=2, timeout=300)
     assert codes == [1, 1], logs(logs_dir)
     for rank in (0, 1):
