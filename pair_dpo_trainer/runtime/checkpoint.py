@@ -15,9 +15,13 @@ duration of the save; every rank writes its own files, DeepSpeed ZeRO-3 shards a
    deleted, so a visible checkpoint is always whole.
 
 A checkpoint is *complete* when its manifest exists and every file it lists has the recorded size
-(:func:`checkpoint_problem`). A failure on any rank is agreed on by all ranks, the staged directory is removed, and
-every rank raises; a full disk raises :class:`~pair_dpo_trainer.errors.CheckpointError` ``disk_full`` naming the
-directory and its free space (torch's own error was ``RuntimeError: basic_ios::clear: iostream error``).
+(:func:`checkpoint_problem`). The identity file is not listed: it is written before the rename like every other file,
+and its content is checked on resume by the reference gate, which names what is wrong with it (``identity_missing``,
+``identity_malformed``, ``reference_changed``, ``environment_drift``).
+
+A failure on any rank is agreed on by all ranks, the staged directory is removed, and every rank raises; a full disk
+raises :class:`~pair_dpo_trainer.errors.CheckpointError` ``disk_full`` naming the directory and its free space
+(torch's own error was ``RuntimeError: basic_ios::clear: iostream error``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from pair_dpo_trainer.atomic import atomic_open, fsync_dir, fsync_tree
 from pair_dpo_trainer.distributed import all_gather_cpu
 from pair_dpo_trainer.errors import CheckpointError, PairDPOError
-from pair_dpo_trainer.integrity import write_identity
+from pair_dpo_trainer.integrity import IDENTITY_FILENAME, write_identity
 
 logger = logging.getLogger(__name__)
 
@@ -181,13 +185,13 @@ def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> N
     files = {
         str(path.relative_to(staged)): path.stat().st_size
         for path in sorted(staged.rglob("*"))
-        if path.is_file() and not path.is_symlink()
+        if path.is_file() and not path.is_symlink() and path.name != IDENTITY_FILENAME
     }
     manifest = {
         "format": MANIFEST_FORMAT,
         "step": trainer.state.global_step,
         "world_size": trainer.args.world_size,
-        "reference_free": request.identity is None,
+        "reference_identity": None if request.identity is None else IDENTITY_FILENAME,
         "schedule_fingerprint": request.schedule_fingerprint,
         "files": files,
     }
