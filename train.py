@@ -77,7 +77,7 @@ def _is_bundled(path: str) -> bool:
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
-    if _is_bundled(model_args.model_name_or_path) and not config.reference_free and config.ref_model_revision is None:
+    if _is_bundled(model_args.model_name_or_path) and config.uses_reference and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     train_rows, eval_rows = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
