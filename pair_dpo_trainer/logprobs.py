@@ -337,7 +337,7 @@ def packed_sequence_logps(
     """
     token_logps, _, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=False)
     if batch.token_weights is not None:
-        token_logps = token_logps * batch.token_weights
+        token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
     return _sequence_sums(token_logps, sequences, batch.pair_index.shape[0])
 
 
@@ -348,9 +348,20 @@ def packed_policy_logps(
     (computed inside the chunked head: no ``[T, V]`` tensor, no host sync). Shapes and errors as
     :func:`packed_sequence_logps`."""
     token_logps, stats, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats)
+    return sequence_logps_from_tokens(token_logps, stats, sequences, batch)
+
+
+def sequence_logps_from_tokens(
+    token_logps: torch.Tensor, stats: torch.Tensor | None, sequences: torch.Tensor, batch: PackedPairBatch
+) -> SequenceLogps:
+    """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
+    their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order)."""
     n = batch.pair_index.shape[0]
     plain = _sequence_sums(token_logps, sequences, n)
-    logps = plain if batch.token_weights is None else _sequence_sums(token_logps * batch.token_weights, sequences, n)
+    if batch.token_weights is None:
+        logps = plain
+    else:
+        logps = _sequence_sums(token_logps * batch.token_weights.to(token_logps.dtype), sequences, n)
     if stats is not None:
         stats = stats.clone()
         stats[:, 3] = token_logps.detach() - stats[:, 3]  # WPO: log p_t - log sum_v p_v^2
@@ -365,14 +376,15 @@ def length_desensitized_weights(batch: PackedPairBatch, alpha: float) -> torch.T
     Liu et al. 2024, "Length Desensitization in Direct Preference Optimization", arXiv:2409.06411, the
     length-desensitised likelihood of its method section (Sec. 4):
     ``log pi_hat(y|x) = sum_{t <= l_p} log p_t + alpha * sum_{t > l_p} log p_t`` with ``l_p = min(|y_w|, |y_l|)``.
-    Device ops only (``index_add`` / ``cumsum``): no host sync. Shape ``[N]`` (``batch.completion_positions``).
+    Device ops only (``index_add`` / ``cumsum``): no host sync. Shape ``[N]`` (``batch.completion_positions``),
+    float64 so that ``alpha`` is exact (cast to the log-probs' dtype where it is applied).
     """
     sequences = batch.sequence_index.reshape(-1).index_select(0, batch.completion_positions)
     n = batch.num_sequences
-    ones = torch.ones_like(sequences, dtype=torch.float32)
-    counts = torch.zeros(n + 1, dtype=torch.float32, device=ones.device).index_add_(0, sequences, ones)[:n]
+    ones = torch.ones_like(sequences, dtype=torch.float64)
+    counts = torch.zeros(n + 1, dtype=torch.float64, device=ones.device).index_add_(0, sequences, ones)[:n]
     starts = counts.cumsum(0) - counts
-    rank = torch.arange(sequences.shape[0], device=ones.device, dtype=torch.float32) - starts[sequences]
+    rank = torch.arange(sequences.shape[0], device=ones.device, dtype=torch.float64) - starts[sequences]
     shared = torch.minimum(counts[0::2], counts[1::2]).repeat_interleave(2)
     return torch.where(rank < shared[sequences], ones, ones * alpha)
 
@@ -428,6 +440,7 @@ __all__ = [
     "packed_policy_logps",
     "packed_sequence_logps",
     "padded_sequence_logps",
+    "sequence_logps_from_tokens",
     "split_pair_logps",
     "with_length_desensitization",
 ]

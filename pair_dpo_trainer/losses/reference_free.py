@@ -55,6 +55,7 @@ def sft_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CON
     # (Wang et al. 2024, "Enhancing the Reasoning Ability of Multimodal LLMs via Mixed Preference Optimization",
     # arXiv:2411.10442, Sec. 3, L = w_p L_p + w_q L_q + w_g L_g): -sum_t log pi(y_w,t | x, y_w,<t) / #chosen tokens
     per_pair = context.chosen_tokens_per_pair
-    if per_pair is None:
-        per_pair = logps.chosen_token_counts.sum() / logps.chosen_token_counts.shape[0]
+    if per_pair is None:  # float64: a float32 ratio of token counts would round (the loss keeps its own dtype)
+        counts = logps.chosen_token_counts.to(torch.float64)
+        per_pair = counts.sum() / counts.shape[0]
     return logps.chosen_nll() / per_pair.clamp(min=1e-12)

@@ -40,13 +40,14 @@ def _distributed() -> bool:
 
 
 def _step_tokens_per_pair(batches: Sequence[PackedPairBatch], device: torch.device) -> torch.Tensor:
-    """Chosen tokens / pairs over the step's micro-batches on every rank: a float32 device scalar."""
+    """Chosen tokens / pairs over the step's micro-batches on every rank: a float64 device scalar (a 0-dim tensor,
+    so the float32 losses it divides stay float32)."""
     tokens = sum(int(chosen_scored_tokens(batch)) for batch in batches)  # CPU batches: host arithmetic
     pairs = sum(batch.num_pairs for batch in batches)
     totals = torch.tensor([tokens, pairs], dtype=torch.float64, device=device)
     if _distributed():
         dist.all_reduce(totals)
-    return (totals[0] / totals[1].clamp(min=1)).to(torch.float32)
+    return totals[0] / totals[1].clamp(min=1)
 
 
 def _gather_rows(local: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
@@ -141,7 +142,7 @@ class StepContextBuilder:
         (weighted) pair, and AOT sorted within the micro-batch."""
         tokens = None
         if self.token_mean:
-            counts = logps.chosen_token_counts
+            counts = logps.chosen_token_counts.to(torch.float64)
             w = torch.ones_like(counts) if weights is None else weights.to(counts.dtype)
             tokens = (counts * w).sum() / w.sum().clamp(min=1e-12)
         return StepContext(bco_delta=self._delta(), chosen_tokens_per_pair=tokens)
