@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_worker import NUM_PAIRS, run_layout
+from tests.dist_worker import NUM_PAIRS, OBJECTIVE_RUNS, run_layout, run_objectives
 from tests.ports import free_port
 
 pytestmark = pytest.mark.distributed
@@ -70,6 +70,31 @@ def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_r
     online = torch.load(two_rank_results / "dp2_ga2.pt")
     precomputed = torch.load(two_rank_results / "dp2_ga2_pre.pt")
     assert precomputed["losses"] == pytest.approx(online["losses"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def objectives_dp1_ga2(tmp_path_factory):
+    return run_objectives(tmp_path_factory.mktemp("obj_dp1"), world_size=1, ga=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", sorted(OBJECTIVE_RUNS))
+def test_every_objective_is_invariant_to_the_dp_ga_layout(two_rank_results, objectives_dp1_ga2, objective):
+    """(DP=1, GA=2), (DP=2, GA=1) and (DP=2, GA=2) on the same global batches: the same first-step gradient, loss
+    curve and parameters for every objective (step-level ones included: BCO's running mean, AOT's sort and sft's
+    token mean over the optimizer step, TR-DPO's reference sync)."""
+    reference = objectives_dp1_ga2[objective]
+    assert len(reference["step_grads"]) == 3
+    for ga in (1, 2):
+        other = torch.load(two_rank_results / f"objectives_dp2_ga{ga}.pt")[objective]
+        for step, grads in enumerate(reference["step_grads"]):  # every step: the state of previous steps matters
+            scale = max(float(g.abs().max()) for g in grads.values())
+            assert scale > 0
+            worst = max(float((other["step_grads"][step][name] - g).abs().max()) for name, g in grads.items())
+            assert worst / scale < 1e-5, f"{objective} dp2_ga{ga} step {step + 1}: {worst:.3e} vs scale {scale:.3e}"
+        assert other["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+        worst = max(float((other["params"][n] - p).abs().max()) for n, p in reference["params"].items())
+        assert worst < 1e-6, f"{objective} dp2_ga{ga}: parameters differ by {worst:.3e}"
 
 
 def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):
