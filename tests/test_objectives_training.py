@@ -140,6 +140,19 @@ def test_ld_alpha_and_wpo_eval_losses_equal_the_padded_formula(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(float(expected.mean()), rel=1e-4)
 
 
+def test_precomputed_reference_applies_ld_alpha_like_the_online_one(tmp_path):
+    pairs = synthetic_pairs(24, seed=3)
+    options = {"ld_alpha": 0.2, "max_steps": 3, "learning_rate": 5e-2}
+    online = _trainer(tmp_path / "on", pairs, ref_model=None, **options)
+    online.train()
+    pre = _trainer(tmp_path / "pre", pairs, precompute_ref_logps=True, **options)
+    pre.train()
+    assert _losses_after(pre, 0) == pytest.approx(_losses_after(online, 0), abs=1e-6)
+    plain = _trainer(tmp_path / "pre", pairs, precompute_ref_logps=True, max_steps=1)  # same cache dir, no ld_alpha
+    plain.train()
+    assert plain.reference_manager.builds == 1  # another key: the LD-weighted cache is not reused for plain sums
+
+
 # ---------------------------------------------------------------- BCO's running reward mean
 def test_bco_delta_is_the_mean_reward_of_all_previous_steps(tmp_path):
     pairs = synthetic_pairs(48, seed=3)
@@ -212,6 +225,24 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps(tmp
     for name, param in trainer.reference.model.named_parameters():
         torch.testing.assert_close(param, expected[name], rtol=1e-6, atol=1e-7, msg=name)
     assert trainer.reference_manager._synced_step == 4
+
+
+def test_tr_dpo_is_refused_where_there_is_no_separate_in_process_reference(tmp_path):
+    from types import SimpleNamespace
+
+    from pair_dpo_trainer.reference.build import build_reference
+    from pair_dpo_trainer.reference.manager import ReferenceManager
+    from tests.dpo_fixtures import tiny_lora_llama
+
+    pytest.importorskip("peft")
+    args = cpu_config(tmp_path, sync_ref_model=True)
+    with pytest.raises(PairDPOError) as info:  # DeepSpeed: the reference is its own engine
+        ReferenceManager(args, tiny_llama(0), source=None, ref_model=None, deepspeed_config={"train_batch_size": 1})
+    assert info.value.reason_code == "unsupported_combination" and "sync_ref_model" in str(info.value)
+    namespace = SimpleNamespace(uses_reference=True, sync_ref_model=True, ref_model_name_or_path=None)
+    with pytest.raises(PairDPOError) as info:  # PEFT: the reference is the policy with its adapters disabled
+        build_reference(namespace, tiny_lora_llama(0), source=None, ref_model=None)
+    assert info.value.reason_code == "unsupported_combination" and "PEFT" in str(info.value)
 
 
 def test_tr_dpo_resume_checks_the_synced_weights_not_the_snapshot(tmp_path):
