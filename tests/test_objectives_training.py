@@ -308,3 +308,13 @@ def test_step_level_objectives_do_not_depend_on_gradient_accumulation(tmp_path, 
     for name, grad in grads[0].items():
         assert float((grads[1][name] - grad).abs().max()) / scale < 1e-5, name
     assert math.isfinite(scale)
+
+
+def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):
+    from pair_dpo_trainer.summary import run_summary
+
+    mixture = cpu_config(tmp_path, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], ld_alpha=0.5)
+    line = run_summary(mixture, attn_backend="x", source=None)
+    assert "loss 0.8*sigmoid + 0.2*bco_pair + 1*sft (ld_alpha=0.5)" in line
+    simpo = run_summary(cpu_config(tmp_path, loss_type="simpo"), attn_backend="x", source=None)
+    assert "reference reference-free" in simpo and "loss simpo," in simpo
