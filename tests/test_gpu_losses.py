@@ -8,12 +8,12 @@ of the chunked log-prob head with and without the per-token statistics (TRL's ``
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 import torch
 
 from pair_dpo_trainer.logprobs import chunked_token_logps, naive_token_stats
+from tests.test_gpu_packed import HEAD_SHAPE, _peak_fwd_bwd, head_inputs
 
 pytestmark = [
     pytest.mark.gpu,
@@ -21,29 +21,9 @@ pytestmark = [
 ]
 
 
-def _peak_fwd_bwd(fn, hidden, weight):
-    hidden.grad = weight.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    start = time.perf_counter()
-    out = fn()
-    logps = out[0] if isinstance(out, tuple) else out
-    logps.sum().backward()
-    torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**30
-    hidden.grad = weight.grad = None
-    return out, peak, elapsed
-
-
 def test_chunked_head_statistics_cost_and_values() -> None:
-    vocab, hidden_size, tokens, chunk = 152064, 2048, 16384, 4096
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weight = (torch.randn(vocab, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16().requires_grad_()
-    hidden = torch.randn(tokens, hidden_size, generator=gen, device="cuda").bfloat16().requires_grad_()
-    targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+    vocab, hidden_size, tokens, chunk = HEAD_SHAPE.values()
+    hidden, weight, targets = head_inputs()
     runs = {}
     for name, stats in (("plain", False), ("stats", True)):
 

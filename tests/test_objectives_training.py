@@ -12,25 +12,14 @@ import torch
 import torch.nn.functional as F
 from transformers import TrainerCallback
 
-from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.errors import PairDPOError
 from pair_dpo_trainer.integrity import read_identity
 from pair_dpo_trainer.losses.state import OBJECTIVE_STATE_FILENAME
 from pair_dpo_trainer.reference import NoReference
 from pair_dpo_trainer.reference.sync import SYNCED_REFERENCE_FILENAME
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
-
-
-def _trainer(tmp_path, pairs, ref_model=None, **kwargs) -> PairDPOTrainer:
-    return PairDPOTrainer(
-        model=tiny_llama(0),
-        args=cpu_config(tmp_path, **kwargs),
-        train_dataset=pairs,
-        eval_dataset=pairs,
-        processing_class=tiny_tokenizer(),
-        ref_model=ref_model,
-    )
+from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama
+from tests.test_trainer import _trainer
 
 
 def _padded(model, pairs):
