@@ -15,6 +15,7 @@ from transformers import AutoTokenizer, HfArgumentParser
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.plotting import CURVES_FILENAME, plot_training_curves
 
 # Defaults of the bundled demo run (any flag overrides them).
@@ -79,6 +80,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     if _is_bundled(model_args.model_name_or_path) and config.uses_reference and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
+    require_model_directory(
+        model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"
+    )
     train_rows, eval_rows = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     trainer = PairDPOTrainer(

@@ -37,6 +37,7 @@ from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallba
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
@@ -92,8 +93,8 @@ class PairDPOTrainer(Trainer):
             model=model,
             args=args,
             data_collator=PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0),
-            train_dataset=self._pairs(train_dataset, processing_class, args),
-            eval_dataset=self._pairs(eval_dataset, processing_class, args),
+            train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
+            eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),
             processing_class=processing_class,
             **kwargs,
         )
@@ -120,7 +121,7 @@ class PairDPOTrainer(Trainer):
             self._take_over_compile()
 
     @staticmethod
-    def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig) -> Any:
+    def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
         if dataset is None:
             return None
         return as_pair_dataset(
@@ -129,6 +130,8 @@ class PairDPOTrainer(Trainer):
             max_length=args.max_length,
             max_prompt_length=args.max_prompt_length,
             max_pair_tokens=args.max_tokens_per_microbatch,
+            progress=not args.disable_tqdm and args.process_index == 0,
+            desc=desc,
         )
 
     # ------------------------------------------------------------------ reference
@@ -352,9 +355,11 @@ class PairDPOTrainer(Trainer):
         model.eval()
         metrics = self._metrics["eval"]
         metrics.reset()
+        self.callback_handler.eval_dataloader = dataloader  # the Trainer's progress bar (rank 0, unless disable_tqdm)
         with torch.no_grad():
             for inputs in dataloader:
                 self.compute_loss(model, self._prepare_inputs(inputs))
+                self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         reduced = metrics.reduce(self.args.device, prefix=f"{metric_key_prefix}_")
         num_samples = len(dataloader.dataset)
         return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)
@@ -376,6 +381,8 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
         from (None when passed in memory).
     """
     policy_source = str(model) if isinstance(model, (str, Path)) else None
+    if policy_source is not None:  # named as the policy, before the reference (by default this path) is looked at
+        require_model_directory(policy_source, role="policy", option="model", code="model_not_found")
     reference_source = resolve_reference_source(
         args,
         policy_source=policy_source,

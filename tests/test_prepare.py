@@ -185,7 +185,7 @@ def test_overwrite_replaces_a_previous_output(tmp_path, tokenizer_dir, demo_rows
         ),
         ("bad-tokenizer", (), (10, 5), "--tokenizer"),
         ("shared-prompt", (), (2, 1), "distinct prompts"),
-        ("strict", ("--strict",), (10, 5), "[schema] in.jsonl row 60"),
+        ("strict", ("--strict",), (10, 5), "[schema] in.jsonl row 61:"),  # the 61st row: numbered from 1
     ],
 )
 def test_errors_exit_2_without_partial_output(tmp_path, tokenizer_dir, demo_rows, capsys, case, extra, sizes, message):
@@ -207,7 +207,7 @@ def test_errors_exit_2_without_partial_output(tmp_path, tokenizer_dir, demo_rows
     elif case == "strict":
         _write_jsonl(source, [*demo_rows, {"prompt": "x"}])
     out = tmp_path / "nested" / "out"
-    assert _prepare([source], out, tokenizer, *extra, train=sizes[0], eval_=sizes[1]) == 2
+    assert _prepare([source], out, tokenizer, *extra, "--disable-tqdm", train=sizes[0], eval_=sizes[1]) == 2
     err = capsys.readouterr().err
     assert err.startswith("pair-dpo prepare-data: error: ") and message in err
     _assert_no_leftovers(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -186,3 +187,91 @@ def test_too_few_pairs_for_one_step_names_the_batch_options(tmp_path):
         trainer.train()
     assert info.value.reason_code == "too_few_pairs"
     assert "per_device_train_batch_size" in str(info.value) and "gradient_accumulation_steps" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------ model paths (13.10)
+
+
+def _policy_paths(tmp_path: Path) -> dict[str, tuple[str, str]]:
+    """name -> (mistyped policy path, what the message says about it)."""
+    (tmp_path / "file").write_text("not a model")
+    (tmp_path / "empty").mkdir()
+    return {
+        "absolute": (str(tmp_path / "models" / "typo-policy"), "does not exist"),
+        "relative": ("models/typo-policy", "does not exist"),  # also a valid Hub repo id: never looked up
+        "file": (str(tmp_path / "file"), "is a file"),
+        "no-config": (str(tmp_path / "empty"), "is a directory without config.json"),
+    }
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("case", ["absolute", "relative", "file", "no-config"])
+def test_a_mistyped_policy_path_is_named_as_the_policy(tmp_path, case, pinned):
+    path, detail = _policy_paths(tmp_path)[case]
+    pin = {"ref_model_revision": DEMO_REVISION, "allow_unpinned_reference": False} if pinned else {}
+    with pytest.raises(ConfigError) as info:
+        PairDPOTrainer(model=path, args=_config(tmp_path, **pin), train_dataset=synthetic_pairs(8))
+    message = info.value.message
+    assert info.value.reason_code == "model_not_found"
+    assert f"the policy path {path!r} (model) {detail}" in message
+    assert "reference" not in message and "hf download" not in message and "Repo id" not in message
+
+
+def test_train_script_names_a_mistyped_policy_path(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import train  # the repository's train.py
+
+    typo = str(tmp_path / "models" / "typo")
+    with pytest.raises(ConfigError) as info:
+        train.main(["--model_name_or_path", typo, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+    assert info.value.reason_code == "model_not_found"
+    assert f"the policy path {typo!r} (--model_name_or_path) does not exist" in info.value.message
+
+
+def test_a_mistyped_unpinned_reference_path_is_named_as_the_reference(tmp_path):
+    typo = str(tmp_path / "ref-typo")
+    with pytest.raises(ConfigError) as info:
+        PairDPOTrainer(
+            model=str(bundled_model_dir()),
+            args=_config(tmp_path, ref_model_name_or_path=typo),
+            train_dataset=synthetic_pairs(8),
+        )
+    assert info.value.reason_code == "reference_not_local"
+    assert f"the reference path {typo!r} (ref_model_name_or_path) does not exist" in info.value.message
+
+
+# ------------------------------------------------------------------------------------------------ prepare-data rows
+
+
+def _prepare_rows(tmp_path: Path, rows: list, *extra: str) -> int:
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["prepare-data", str(source), "--output", str(tmp_path / "out"), "--tokenizer", str(bundled_model_dir())]
+    return cli_main([*argv, "--train-size", "4", "--eval-size", "0", "--seed", "0", "--disable-tqdm", *extra])
+
+
+BAD_ROWS = [
+    {"prompt": "2+2?", "chosen": "4"},  # row 2: schema (the first one)
+    {"prompt": "2+2?", "chosen": "4", "rejected": " "},  # row 3: empty_completion (first by code name)
+    {"prompt": [{"role": "user", "content": None}], "chosen": "4", "rejected": "5"},  # row 4: content_type
+]
+
+
+def test_prepare_data_names_the_first_rejection_with_1_based_rows(tmp_path, capsys):
+    rows = [generate_demo_pairs(seed=0, n=1)[0], *BAD_ROWS]
+    assert _prepare_rows(tmp_path, rows) == 2  # 1 valid pair for 4
+    err = capsys.readouterr().err
+    assert "First rejection: [schema] in.jsonl row 2: the row has no 'rejected' field" in err
+
+
+def test_prepare_data_examples_and_strict_errors_count_rows_from_1(tmp_path, capsys):
+    rows = [*BAD_ROWS, *generate_demo_pairs(seed=0, n=6)]
+    assert _prepare_rows(tmp_path, rows) == 0
+    out = capsys.readouterr().out
+    assert "e.g. [schema] in.jsonl row 1:" in out and "e.g. [empty_completion] in.jsonl row 2:" in out
+    assert "e.g. [content_type] in.jsonl row 3:" in out
+    written = [json.loads(line) for line in (tmp_path / "out" / "train.jsonl").read_text().splitlines()]
+    assert len(written) == 4 and {r["source_row"] for r in written} <= {4, 5, 6, 7, 8, 9}  # rows 4..9 are valid
+    shutil.rmtree(tmp_path / "out")
+    assert _prepare_rows(tmp_path, rows, "--strict") == 2
+    assert "[schema] in.jsonl row 1:" in capsys.readouterr().err

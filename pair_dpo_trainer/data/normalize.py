@@ -13,7 +13,9 @@ Accepted row shapes (``None`` counts as a missing field: ``datasets`` fills abse
    turn; turn contents are stripped of surrounding whitespace.
 
 A message is an object with ``role`` in ``system`` / ``user`` / ``assistant`` and a string ``content``;
-other keys (``name``, ...) are dropped. Every problem raises
+other keys (``name``, ...) are dropped. Text must be encodable as UTF-8 (a lone surrogate such as ``"\\ud800"``, valid
+in JSON, is ``bad_text``), and a row may nest at most :data:`MAX_ROW_DEPTH` levels of lists / objects (``bad_json``),
+so that the JSON-lines reader and the Arrow reader give every row the same verdict. Every problem raises
 :class:`~pair_dpo_trainer.errors.PreferenceRowError` with a stable ``reason_code`` (see
 ``docs/reason_codes.md``, section "Data rows").
 """
@@ -24,7 +26,7 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pair_dpo_trainer.errors import PreferenceRowError
@@ -37,6 +39,24 @@ Message = dict[str, str]
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 _HH_ROLES = {"Human": "user", "Assistant": "assistant"}
 
+# Any surrogate code point: a Python str holds a valid UTF-16 pair as one code point, so every match is lone.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+MAX_ROW_DEPTH = 100
+"""Most levels of nested lists / objects a row may have (a valid row has 3: row, message list, message)."""
+
+
+@dataclass(frozen=True)
+class UnreadableRow:
+    """A row a reader could not decode (invalid UTF-8, JSON nested past the parser's limit), kept in its place.
+
+    :func:`normalize_row` raises its ``reason_code`` and ``message``, so it is counted (``prepare-data``) or fails
+    the run (trainer) like every other bad row.
+    """
+
+    reason_code: str
+    message: str
+
 
 @dataclass(frozen=True)
 class PreferencePair:
@@ -46,6 +66,9 @@ class PreferencePair:
         prompt_messages: The shared prompt turns (at least one), each ``{"role": ..., "content": ...}``.
         chosen_messages: The preferred completion turns after the prompt; the last one is an assistant turn.
         rejected_messages: The dispreferred completion turns; the last one is an assistant turn.
+        plain_text: The row gave ``prompt``, ``chosen`` and ``rejected`` as three plain strings (shape 1). A tokenizer
+            without a chat template then tokenises it by concatenation; rows of the other shapes need a template.
+            Not part of equality: it says how the row was written, not what the pair holds.
 
     Example:
         >>> pair = normalize_row({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
@@ -58,12 +81,19 @@ class PreferencePair:
     prompt_messages: tuple[Message, ...]
     chosen_messages: tuple[Message, ...]
     rejected_messages: tuple[Message, ...]
+    plain_text: bool = field(default=False, compare=False)
 
-    def as_row(self) -> dict[str, list[Message]]:
-        """Returns the pair as a shape-2 row (``prompt`` / ``chosen`` / ``rejected`` message lists).
+    def as_row(self) -> dict[str, Any]:
+        """Returns the pair as a row: three strings for a ``plain_text`` pair, else message lists (shape 2).
 
-        ``normalize_row(pair.as_row()) == pair`` holds for every normalised pair.
+        ``normalize_row(pair.as_row()) == pair`` holds for every normalised pair, ``plain_text`` included.
         """
+        if self.plain_text:
+            return {
+                "prompt": self.prompt_messages[0]["content"],
+                "chosen": self.chosen_messages[0]["content"],
+                "rejected": self.rejected_messages[0]["content"],
+            }
         return {
             "prompt": [dict(m) for m in self.prompt_messages],
             "chosen": [dict(m) for m in self.chosen_messages],
@@ -102,7 +132,8 @@ def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
 
     Raises:
         PreferenceRowError: ``schema``, ``role``, ``content_type``, ``prefix_mismatch``,
-            ``not_assistant_last`` or ``empty_completion``.
+            ``not_assistant_last``, ``empty_completion``, ``bad_text`` or ``bad_json`` (also for an
+            :class:`UnreadableRow`, with the reader's code).
 
     Example:
         >>> row = {
@@ -119,6 +150,9 @@ def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
         >>> hh.prompt_messages, hh.chosen_messages
         (({'role': 'user', 'content': 'Hi'},), ({'role': 'assistant', 'content': 'Hello!'},))
     """
+    if isinstance(row, UnreadableRow):
+        raise PreferenceRowError(row.reason_code, row.message)
+    _check_depth(row)
     if not isinstance(row, Mapping):
         raise PreferenceRowError(
             "schema",
@@ -139,7 +173,41 @@ def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
     prompt_messages = _prompt_messages(prompt)
     chosen_messages = _completion_messages(chosen, "chosen", prompt_messages)
     rejected_messages = _completion_messages(rejected, "rejected", prompt_messages)
-    return PreferencePair(prompt_messages, chosen_messages, rejected_messages)
+    plain = isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)
+    return PreferencePair(prompt_messages, chosen_messages, rejected_messages, plain_text=plain)
+
+
+def _check_depth(row: Any) -> None:
+    """Raises ``bad_json`` when ``row`` nests more than :data:`MAX_ROW_DEPTH` lists / objects (no recursion)."""
+    stack = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, Mapping):
+            children: Any = value.values()
+        elif isinstance(value, (list, tuple)):
+            children = value
+        else:
+            continue
+        if depth > MAX_ROW_DEPTH:
+            raise PreferenceRowError(
+                "bad_json",
+                f"the row nests more than {MAX_ROW_DEPTH} levels of lists / objects; a preference row needs 3 "
+                "(row, message list, message): drop the row or flatten the field.",
+            )
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _check_text(text: str, where: str) -> str:
+    """Returns ``text``; raises ``bad_text`` when it holds a lone surrogate (not encodable as UTF-8)."""
+    match = _SURROGATE.search(text)
+    if match is not None:
+        raise PreferenceRowError(
+            "bad_text",
+            f"{where} holds the lone surrogate {match.group()!r} at character {match.start() + 1} (a JSON escape "
+            "such as \\ud800 without its pair): it is not text any tokenizer can encode; fix the escape or drop "
+            "the row.",
+        )
+    return text
 
 
 def _required_text_or_list(row: Mapping[str, Any], field: str) -> str | Sequence[Any]:
@@ -159,7 +227,7 @@ def _required_text_or_list(row: Mapping[str, Any], field: str) -> str | Sequence
 
 def _prompt_messages(prompt: Any) -> tuple[Message, ...]:
     if isinstance(prompt, str):
-        return ({"role": "user", "content": prompt},)
+        return ({"role": "user", "content": _check_text(prompt, "'prompt'")},)
     if not isinstance(prompt, (list, tuple)):
         raise PreferenceRowError(
             "schema",
@@ -194,12 +262,12 @@ def _message(value: Any, where: str) -> Message:
             f"{where}.content is {type(content).__name__}, not a string; flatten list/multimodal "
             "content to text and replace null content.",
         )
-    return {"role": role, "content": content}
+    return {"role": role, "content": _check_text(content, f"{where}.content")}
 
 
 def _completion_messages(value: str | Sequence[Any], field: str, prompt: tuple[Message, ...]) -> tuple[Message, ...]:
     if isinstance(value, str):
-        turns: tuple[Message, ...] = ({"role": "assistant", "content": value},)
+        turns: tuple[Message, ...] = ({"role": "assistant", "content": _check_text(value, f"'{field}'")},)
     else:
         if not value:
             raise PreferenceRowError(
@@ -260,6 +328,8 @@ class _Transcript:
 
 
 def _from_transcripts(chosen: str, rejected: str) -> PreferencePair:
+    _check_text(chosen, "'chosen'")
+    _check_text(rejected, "'rejected'")
     chosen_split = _split_transcript(chosen, "chosen")
     rejected_split = _split_transcript(rejected, "rejected")
     if chosen_split.prompt != rejected_split.prompt:

@@ -7,7 +7,9 @@ per reason code. N train and M eval pairs are then chosen deterministically from
 prompt groups (pairs with the same :func:`~pair_dpo_trainer.data.normalize.prompt_hash`) to one split, so
 no prompt is shared between train and eval. DIR receives ``train.jsonl``, ``eval.jsonl`` (sorted-key JSON
 lines holding the normalised messages, the token id columns, the prompt hash and the source row) and
-``manifest.json``; the same inputs and arguments always give byte-identical files. Everything is written
+``manifest.json`` (with the tokenizer's fingerprint and the length limits, which the trainer checks: see
+:mod:`pair_dpo_trainer.data.prepared`); the same inputs and arguments always give byte-identical files. Rows are
+numbered from 1 in every message and in ``source_row``. Everything is written
 into a temporary sibling of DIR and renamed into place, so a failure leaves no partial DIR. Errors print
 one message on stderr and return exit code 2.
 """
@@ -27,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
+from pair_dpo_trainer.data.prepared import MANIFEST_FORMAT
 from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, load_rows, sha256_file
 from pair_dpo_trainer.data.splits import split_by_prompt
 from pair_dpo_trainer.errors import PairDPOError
 
 OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "manifest.json")
-MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/1"
 
 
 class UsageError(Exception):
@@ -42,7 +45,7 @@ class UsageError(Exception):
 
 @dataclass(frozen=True)
 class Candidate:
-    """One accepted row: where it came from, its normalised pair and token ids."""
+    """One accepted row: where it came from (``row``: 1-based row number in its file), its pair and token ids."""
 
     source: str
     row: int
@@ -86,6 +89,7 @@ class ReadResult:
     inputs: list[InputSummary]
     rejections: Counter[str]
     examples: dict[str, str]
+    first_rejection: str | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +105,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows.")
     parser.add_argument("--output", required=True, metavar="DIR", help="Output directory (created atomically).")
     parser.add_argument(
-        "--tokenizer", required=True, metavar="PATH", help="Local tokenizer directory with a chat template."
+        "--tokenizer",
+        required=True,
+        metavar="PATH",
+        help="Local tokenizer directory; without a chat template, plain-string rows are tokenised by concatenation.",
     )
     parser.add_argument("--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1).")
     parser.add_argument("--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0).")
@@ -128,6 +135,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected).",
     )
     parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
+    parser.add_argument(
+        "--disable-tqdm", action="store_true", help="Show no progress bar (default: one per input file, on stderr)."
+    )
     parser.add_argument(
         "--overwrite",
         action="store_true",
@@ -221,17 +231,16 @@ def _load_tokenizer(path: str) -> LoadedTokenizer:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # any loading failure is a bad --tokenizer argument
         raise UsageError(f"--tokenizer {path}: cannot load a tokenizer ({type(exc).__name__}: {exc}).") from exc
-    template = getattr(tokenizer, "chat_template", None)
-    if not template:
-        raise UsageError(f"--tokenizer {path}: the tokenizer has no chat template; add one (chat_template.jinja).")
     if getattr(tokenizer, "eos_token_id", None) is None:
         raise UsageError(f"--tokenizer {path}: the tokenizer has no eos_token; set it in tokenizer_config.json.")
+    template = getattr(tokenizer, "chat_template", None) or None
     tokenizer_json = Path(path, "tokenizer.json")
-    template_text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    template_text = template if isinstance(template, str) or template is None else json.dumps(template, sort_keys=True)
     info = {
         "name": os.path.basename(os.path.normpath(path)),
+        "fingerprint": tokenizer_fingerprint(tokenizer),
         "tokenizer_json_sha256": sha256_file(tokenizer_json) if tokenizer_json.is_file() else None,
-        "chat_template_sha256": hashlib.sha256(template_text.encode("utf-8")).hexdigest(),
+        "chat_template_sha256": None if template_text is None else hashlib.sha256(template_text.encode()).hexdigest(),
         "eos_token_id": int(tokenizer.eos_token_id),
     }
     return LoadedTokenizer(tokenizer=tokenizer, info=info)
@@ -244,6 +253,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any) -> ReadResult:
     inputs: list[InputSummary] = []
     rejections: Counter[str] = Counter()
     examples: dict[str, str] = {}
+    first_rejection: str | None = None
     with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
         for path in args.inputs:
             name = os.path.basename(path)
@@ -257,15 +267,18 @@ def _read_all(args: argparse.Namespace, tokenizer: Any) -> ReadResult:
                 max_pair_tokens=args.max_pair_tokens,
                 strict=args.strict,
                 keep_pairs=True,
+                progress=not args.disable_tqdm,
                 desc=name,
+                first_row=1,
             )
             rejections.update(result.rejections)
             for code, message in result.examples.items():
                 examples.setdefault(code, message)
-            for row, pair, features in zip(result.row_indices, result.pairs or [], result.features, strict=True):
-                candidates.append(Candidate(name, row, pair, features, prompt_hash(pair)))
+            first_rejection = first_rejection or result.first_rejection
+            for index, pair, features in zip(result.row_indices, result.pairs or [], result.features, strict=True):
+                candidates.append(Candidate(name, index + 1, pair, features, prompt_hash(pair)))
             del rows
-    return ReadResult(candidates=candidates, inputs=inputs, rejections=rejections, examples=examples)
+    return ReadResult(candidates, inputs, rejections, examples, first_rejection)
 
 
 def _counts(counter: Counter[str]) -> str:
@@ -279,7 +292,7 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
     valid = len(read.candidates)
     if valid < need:
         rejected = sum(read.rejections.values())
-        hint = f" First rejection: {read.examples[min(read.examples)]}" if read.examples else ""
+        hint = f" First rejection: {read.first_rejection}" if read.first_rejection else ""
         return (
             f"only {valid} valid pairs ({rejected} rows rejected{_counts(read.rejections)}), but "
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"

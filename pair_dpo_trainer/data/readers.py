@@ -5,16 +5,45 @@ with its cache in a caller-given temporary directory, so nothing lands in the us
 cached can change the result. Arrow needs one schema per file; a json/jsonl file whose rows Arrow cannot
 hold (a line that is not an object, an empty file, ``[]``) is read again with the standard ``json`` module,
 so that such rows are rejected one by one (reason code ``schema``) instead of failing the whole file.
+
+One bad row never fails the file, and both readers give it the same verdict:
+
+- a JSON file with a lone-surrogate escape (``"\\ud800"``, valid JSON) is read with the ``json`` module, because
+  Arrow deletes the surrogate inside nested values (the row would be accepted altered); the row is ``bad_text``;
+- a JSON file whose rows give a field different types (a completion as a string in one row and as a message list
+  in another) is read with the ``json`` module: Arrow types such a field ``Json`` and returns some of its strings
+  altered (``"4"`` as the number 4, ``"null"`` as None);
+- a JSON file with bytes that are not UTF-8 is read with the ``json`` module too, which refuses the file naming the
+  line (a file-level encoding problem, ``InputError``), where Arrow would accept it and fail later at that row;
+- a row of a parquet file (or any ``datasets.Dataset``) whose text does not decode becomes an
+  :class:`~pair_dpo_trainer.data.normalize.UnreadableRow` (``bad_text``) in its place (:func:`iter_rows`);
+- a line nested deeper than the ``json`` module can parse becomes an ``UnreadableRow`` (``bad_json``); Arrow reads
+  such rows, and :func:`~pair_dpo_trainer.data.normalize.normalize_row` rejects them as ``bad_json`` too.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+import re
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from pair_dpo_trainer.data.normalize import UnreadableRow
+
+# A UTF-16 surrogate escape in JSON text without its partner: \\uD800-\\uDBFF not followed by \\uDC00-\\uDFFF, or the
+# reverse. A literal backslash before "u" can match too; that only sends the file to the exact json reader.
+_LONE_SURROGATE_ESCAPE = re.compile(
+    rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+    rb"|(?<!\\u[dD][89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2}"
+)
+_SCAN_BLOCK = 1 << 22
+_ESCAPE_WINDOW = 12  # two \\uXXXX escapes: enough context on each side of a block boundary
+_ROWS_PER_BATCH = 1000
 
 FORMATS: dict[str, str] = {".jsonl": "json", ".ndjson": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -62,13 +91,84 @@ def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
             f.read(1)
     except OSError as exc:
         raise InputError(f"{path}: cannot open it ({exc.strerror or exc}).") from exc
+    if fmt == "json" and _needs_json_module(path):
+        return _load_json_values(path)
     try:
-        return _load_with_datasets(path, fmt, cache_dir)
+        dataset = _load_with_datasets(path, fmt, cache_dir)
     except Exception as exc:  # any failure of datasets/pyarrow: retry as plain JSON, else unreadable
         if fmt != "json":
             cause = exc.__cause__ or exc
             raise InputError(f"{path}: cannot read it as {fmt} ({type(cause).__name__}: {cause}).") from exc
-    return _load_json_values(path)
+        return _load_json_values(path)
+    if fmt == "json" and _has_json_feature(dataset.features):
+        return _load_json_values(path)
+    return dataset
+
+
+def iter_rows(rows: Iterable[Any]) -> Iterator[Any]:
+    """Yields the rows of ``rows``; a ``datasets.Dataset`` row whose text does not decode becomes an
+    :class:`UnreadableRow` (``bad_text``) in its place instead of ending the iteration with ``UnicodeDecodeError``.
+
+    Args:
+        rows: Any iterable of rows; a ``datasets.Dataset`` (python format) is read in batches of 1000 rows.
+    """
+    datasets = sys.modules.get("datasets")  # a datasets.Dataset exists only if datasets is imported
+    if datasets is None or not isinstance(rows, datasets.Dataset) or rows.format.get("type") is not None:
+        yield from rows
+        return
+    for start in range(0, len(rows), _ROWS_PER_BATCH):
+        stop = min(start + _ROWS_PER_BATCH, len(rows))
+        try:
+            batch = rows[start:stop]
+        except UnicodeDecodeError:
+            yield from (_decoded_row(rows, i) for i in range(start, stop))
+            continue
+        names = list(batch)
+        yield from (dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True))
+
+
+def _has_json_feature(feature: Any) -> bool:
+    """True when a ``datasets`` feature (nested anywhere) is ``Json``: what ``datasets`` infers for a field whose type
+    differs between rows. Its strings come back altered (``"4"`` as ``4``, ``"null"`` as ``None``)."""
+    import datasets
+
+    json_type = getattr(datasets.features, "Json", None)
+    if json_type is not None and isinstance(feature, json_type):
+        return True
+    if isinstance(feature, dict):
+        return any(_has_json_feature(value) for value in feature.values())
+    if isinstance(feature, (list, tuple)):
+        return any(_has_json_feature(value) for value in feature)
+    inner = getattr(feature, "feature", None)  # List / Sequence / LargeList
+    return inner is not None and _has_json_feature(inner)
+
+
+def _decoded_row(rows: Any, index: int) -> Any:
+    try:
+        return rows[index]
+    except UnicodeDecodeError as exc:
+        return UnreadableRow("bad_text", f"its text is not valid UTF-8 ({exc.reason} at byte {exc.start}).")
+
+
+def _needs_json_module(path: str) -> bool:
+    """True when the file holds a lone surrogate escape or bytes that are not UTF-8: Arrow would alter such a row
+    (or accept a file the ``json`` reader refuses), so it is read with the ``json`` module. Scanned in blocks."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    with open(path, "rb") as f:
+        carry = b""
+        while True:
+            block = f.read(_SCAN_BLOCK)
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError:
+                return True
+            buffer = carry + block
+            if not block:
+                return _LONE_SURROGATE_ESCAPE.search(buffer) is not None
+            # a match near the end may only lack its partner's bytes: it is judged again with the next block
+            if any(m.end() + _ESCAPE_WINDOW // 2 <= len(buffer) for m in _LONE_SURROGATE_ESCAPE.finditer(buffer)):
+                return True
+            carry = buffer[-_ESCAPE_WINDOW:]
 
 
 def _load_with_datasets(path: str, fmt: str, cache_dir: str) -> Any:
@@ -88,24 +188,53 @@ def _load_with_datasets(path: str, fmt: str, cache_dir: str) -> Any:
 
 
 def _load_json_values(path: str) -> list[Any]:
-    """Reads a JSON-lines file, or a ``.json`` array / single value, with the ``json`` module."""
+    """Reads a JSON-lines file, or a ``.json`` array / single value, with the ``json`` module.
+
+    A line nested too deeply for the parser becomes an :class:`UnreadableRow` (``bad_json``); a line that is not
+    UTF-8 or not JSON at all fails the file (``InputError``: it is not a UTF-8 JSON-lines file).
+    """
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read it as UTF-8 JSON ({exc}); save the file as UTF-8.") from exc
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror or exc}).") from exc
     if Path(path).suffix.lower() == ".json":  # a JSON document first; JSON lines if it is not one
-        try:
-            document = json.loads(text)
-        except json.JSONDecodeError:
-            pass
-        else:
-            return document if isinstance(document, list) else [document]
+        document = _json_document(path, data)
+        if document is not None:
+            return document
     rows = []
-    for line_number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as exc:
-            raise InputError(f"{path}: line {line_number} is not valid JSON ({exc.msg}); fix or drop it.") from exc
+    for line_number, line in enumerate(data.split(b"\n"), start=1):
+        if line.strip():
+            rows.append(_json_line(path, line, line_number))
     return rows
+
+
+def _json_document(path: str, data: bytes) -> list[Any] | None:
+    """The rows of a whole-file JSON document, or None when the file is not one (then it is read as JSON lines)."""
+    try:
+        document = json.loads(codecs.decode(data, "utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    except RecursionError as exc:
+        raise InputError(
+            f"{path}: the JSON document nests deeper than Python's json parser allows; write the rows as JSON lines "
+            "(.jsonl), one row per line, so that the bad row is counted (bad_json) and the others are read."
+        ) from exc
+    return document if isinstance(document, list) else [document]
+
+
+def _json_line(path: str, line: bytes, line_number: int) -> Any:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            f"{path}: line {line_number} is not UTF-8 ({exc.reason} at byte {exc.start + 1} of the line); "
+            "save the file as UTF-8."
+        ) from exc
+    try:
+        return json.loads(text)
+    except RecursionError:
+        return UnreadableRow(
+            "bad_json", f"line {line_number} nests deeper than Python's json parser allows; flatten or drop it."
+        )
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{path}: line {line_number} is not valid JSON ({exc.msg}); fix or drop it.") from exc

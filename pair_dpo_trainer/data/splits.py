@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
-from pair_dpo_trainer.data.readers import load_rows
+from pair_dpo_trainer.data.prepared import load_prepared
+from pair_dpo_trainer.data.readers import iter_rows, load_rows
+from pair_dpo_trainer.errors import PreferenceRowError
 
 T = TypeVar("T")
 
@@ -56,29 +57,33 @@ def split_by_prompt(
     return train_items, eval_items
 
 
-def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[list[Any], list[Any]]:
+def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Sequence[Any], Sequence[Any]]:
     """Rows for training and evaluation from a ``prepare-data`` output directory or from one data file.
 
     Args:
-        path: A directory holding ``manifest.json``, ``train.jsonl`` and ``eval.jsonl`` (used as they are), or a
-            jsonl / json / parquet file of preference rows, split here with :func:`split_by_prompt`.
+        path: A ``prepare-data`` output directory (its two splits, as :class:`~pair_dpo_trainer.data.prepared.
+            PreparedSplit` objects that the trainer checks against its tokenizer and limits), or a jsonl / json /
+            parquet file of preference rows, split here with :func:`split_by_prompt`.
         eval_size: Pairs held out when ``path`` is a file (0: no eval split).
         seed: Split seed.
 
     Raises:
         PreferenceRowError: a row that cannot be normalised (its prompt is needed to keep the splits apart).
+        ConfigError: ``bad_manifest`` for a directory that is not a valid ``prepare-data`` output.
     """
     root = Path(path)
     if root.is_dir():
-        return _read_jsonl(root / "train.jsonl"), _read_jsonl(root / "eval.jsonl")
+        return load_prepared(root, "train"), load_prepared(root, "eval")
     with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
-        rows = list(load_rows(str(root), cache_dir))
-    hashes = [prompt_hash(normalize_row(row)) for row in rows]
+        rows = list(iter_rows(load_rows(str(root), cache_dir)))
+    hashes = [_prompt_hash(row, f"{root.name} row {number}") for number, row in enumerate(rows, start=1)]
     indices = list(range(len(rows)))
     train, held_out = split_by_prompt(indices, hashes.__getitem__, train_size=len(rows), eval_size=eval_size, seed=seed)
     return [rows[i] for i in sorted(train)], [rows[i] for i in sorted(held_out)]
 
 
-def _read_jsonl(path: Path) -> list[Any]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _prompt_hash(row: Any, where: str) -> str:
+    try:
+        return prompt_hash(normalize_row(row))
+    except PreferenceRowError as exc:
+        raise PreferenceRowError(exc.reason_code, f"{where}: {exc.message}") from exc

@@ -1,10 +1,17 @@
-"""Tokenise normalised preference pairs with the tokenizer's chat template.
+"""Tokenise normalised preference pairs: with the tokenizer's chat template, or by concatenation without one.
 
-``prompt_ids`` is the chat template applied to the prompt turns with the generation prompt (the assistant
-header); each completion is the rest of the template applied to prompt + completion turns, after checking
+With a chat template, ``prompt_ids`` is the template applied to the prompt turns with the generation prompt (the
+assistant header); each completion is the rest of the template applied to prompt + completion turns, after checking
 that this rendering starts with ``prompt_ids`` (else ``template_not_prefix``). A completion ends with
 ``eos_token_id``: if the template closes the turn with EOS followed only by whitespace tokens (e.g.
 ``<|im_end|>\\n``) that whitespace is dropped; if it does not emit EOS at all, EOS is appended.
+
+Without a chat template (a base model), a row of three plain strings is tokenised as TRL 1.16's non-conversational
+path does: ``tokenizer(prompt)`` and ``tokenizer(prompt + completion)`` (the tokenizer's own special tokens, e.g.
+BOS, included); the completion is what follows the longest common prefix of the prompt's ids and both
+prompt + completion ids (tokens may merge across the boundary), and EOS is appended. Unlike TRL, special-token
+strings inside the text stay text (``split_special_tokens=True``), as in the chat path. A row of chat messages
+(or an Anthropic-HH transcript) without a template is ``no_chat_template``.
 
 Truncation, in this order:
 
@@ -29,12 +36,16 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from pair_dpo_trainer.data.normalize import PreferencePair, normalize_row
+from pair_dpo_trainer.data.readers import iter_rows
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 
 FEATURE_COLUMNS: tuple[str, str, str] = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
 
-# Below this many rows, tokenize_dataset shows no progress bar.
+# Below this many rows, tokenize_dataset(progress=None) shows no progress bar.
 PROGRESS_MIN_ROWS = 1000
+
+# Converts one input row into (its normalised pair or None, its feature dict, whether it was truncated).
+RowConverter = Callable[[Any], "tuple[PreferencePair | None, dict[str, Any], bool]"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,7 @@ class TokenizedPair:
         prompt_ids: Chat-template tokens of the prompt, ending with the generation prompt (assistant header).
         chosen_ids: Tokens of the chosen completion; they end with EOS unless the completion was truncated.
         rejected_ids: Tokens of the rejected completion; same rule.
+        truncated: :func:`truncate_pair` cut the prompt or a completion (not part of equality).
 
     Example:
         >>> tp = TokenizedPair(prompt_ids=(5, 6, 7), chosen_ids=(8, 2), rejected_ids=(9, 9, 2))
@@ -57,6 +69,7 @@ class TokenizedPair:
     prompt_ids: tuple[int, ...]
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
+    truncated: bool = field(default=False, compare=False)
 
     @property
     def cost(self) -> int:
@@ -74,23 +87,28 @@ class TokenizedPair:
 
 @dataclass(frozen=True)
 class TokenizationResult:
-    """What :func:`tokenize_dataset` accepted and rejected.
+    """What :func:`tokenize_dataset` (or :func:`truncate_dataset`) accepted and rejected.
 
     Attributes:
-        features: One dict of the three ``*_input_ids`` columns per accepted row, in input order.
+        features: One dict of the three ``*_input_ids`` columns per accepted row, in input order
+            (:func:`truncate_dataset`: the row itself, its id columns replaced when it was truncated).
         row_indices: The input index of each accepted row (aligned with ``features``).
         rejections: Number of rejected rows per reason code.
         examples: The first rejection message per reason code (it names the row).
         num_rows: Rows read.
         pairs: The normalised pair of each accepted row when ``keep_pairs=True``, else ``None``.
+        num_truncated: Accepted pairs whose prompt or a completion was cut to the length limits.
+        first_rejection: ``"[code] message"`` of the first rejected row in input order, else ``None``.
     """
 
-    features: list[dict[str, list[int]]]
+    features: list[dict[str, Any]]
     row_indices: list[int]
     rejections: Counter[str]
     examples: dict[str, str]
     num_rows: int
     pairs: list[PreferencePair] | None = field(default=None)
+    num_truncated: int = 0
+    first_rejection: str | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -106,11 +124,11 @@ def tokenize_pair(
     max_prompt_length: int | None,
     max_pair_tokens: int | None = None,
 ) -> TokenizedPair:
-    """Tokenises and truncates one normalised pair.
+    """Tokenises and truncates one normalised pair (chat template, or concatenation without one: module docstring).
 
     Args:
         pair: The normalised pair (see :func:`~pair_dpo_trainer.data.normalize.normalize_row`).
-        tokenizer: A Hugging Face tokenizer with a chat template and an ``eos_token_id``.
+        tokenizer: A Hugging Face tokenizer with an ``eos_token_id`` (and a chat template for message rows).
         max_length: Maximum tokens of one sequence (prompt + one completion).
         max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
         max_pair_tokens: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
@@ -121,7 +139,8 @@ def tokenize_pair(
 
     Raises:
         PreferenceRowError: ``template_not_prefix``, ``template_error``, ``empty_completion``,
-            ``identical_after_truncation`` or ``pair_too_long``.
+            ``identical_after_truncation``, ``pair_too_long``; without a chat template ``no_chat_template`` (a
+            message row) or ``empty_prompt``.
         ConfigError: ``bad_length`` for a non-positive length, or a tokenizer without ``eos_token_id``.
 
     Example:
@@ -133,21 +152,52 @@ def tokenize_pair(
     """
     _check_lengths(max_length, max_prompt_length, max_pair_tokens)
     eos = _eos_token_id(tokenizer)
-    prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
-    chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
-    rejected = _completion_ids(tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected")
-    return _truncate(prompt_ids, chosen, rejected, max_length, max_prompt_length, max_pair_tokens)
+    if not has_chat_template(tokenizer):
+        prompt_ids, chosen, rejected = _concatenated_ids(tokenizer, pair, eos)
+    else:
+        prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
+        chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
+        rejected = _completion_ids(tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected")
+    return truncate_pair(
+        prompt_ids,
+        chosen,
+        rejected,
+        max_length=max_length,
+        max_prompt_length=max_prompt_length,
+        max_pair_tokens=max_pair_tokens,
+    )
 
 
-def _truncate(
-    prompt_ids: list[int],
-    chosen: list[int],
-    rejected: list[int],
+def truncate_pair(
+    prompt_ids: Sequence[int],
+    chosen: Sequence[int],
+    rejected: Sequence[int],
+    *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None,
+    max_pair_tokens: int | None = None,
 ) -> TokenizedPair:
-    """Left-truncates the prompt, right-truncates the completions, then checks the pair."""
+    """Left-truncates the prompt, right-truncates the completions, then checks the pair: the one truncation rule of
+    every input path (raw rows, pre-tokenised rows, prepared directories).
+
+    Args:
+        prompt_ids / chosen / rejected: Token ids; completions end with EOS unless already cut.
+        max_length / max_prompt_length / max_pair_tokens: See :func:`tokenize_pair`.
+
+    Returns:
+        The pair, ``truncated=True`` when something was cut (a cut completion loses its EOS with its tail).
+
+    Raises:
+        PreferenceRowError: ``empty_completion`` (the prompt leaves no room), ``identical_after_truncation``,
+            ``pair_too_long``.
+
+    Example:
+        >>> tp = truncate_pair([1, 2, 3, 4], [5, 6, 2], [7, 2], max_length=5, max_prompt_length=3)
+        >>> tp.prompt_ids, tp.chosen_ids, tp.rejected_ids, tp.truncated
+        ((2, 3, 4), (5, 6), (7, 2), True)
+    """
+    prompt_ids, chosen, rejected = list(prompt_ids), list(chosen), list(rejected)
+    full_prompt = len(prompt_ids)
     if max_prompt_length is not None and len(prompt_ids) > max_prompt_length:
         prompt_ids = prompt_ids[-max_prompt_length:]
     room = max_length - len(prompt_ids)
@@ -157,7 +207,8 @@ def _truncate(
             f"the prompt takes {len(prompt_ids)} tokens and leaves no room for completion tokens "
             f"within max_length={max_length}; set max_prompt_length below max_length.",
         )
-    truncated = TokenizedPair(tuple(prompt_ids), tuple(chosen[:room]), tuple(rejected[:room]))
+    cut = len(prompt_ids) < full_prompt or len(chosen) > room or len(rejected) > room
+    truncated = TokenizedPair(tuple(prompt_ids), tuple(chosen[:room]), tuple(rejected[:room]), truncated=cut)
     if truncated.chosen_ids == truncated.rejected_ids:
         detail = "are identical" if chosen == rejected else f"are identical after truncation to {room} tokens"
         raise PreferenceRowError(
@@ -186,12 +237,13 @@ def tokenize_dataset(
     keep_pairs: bool = False,
     progress: bool | None = None,
     desc: str = "dataset",
+    first_row: int = 0,
 ) -> TokenizationResult:
     """Normalises and tokenises every row, counting rejected rows per reason code.
 
     Args:
         dataset_or_rows: A ``datasets.Dataset`` or any iterable of row mappings (any supported shape).
-        tokenizer: A Hugging Face tokenizer with a chat template.
+        tokenizer: A Hugging Face tokenizer (with a chat template for message rows).
         max_length: See :func:`tokenize_pair`.
         max_prompt_length: See :func:`tokenize_pair`.
         max_pair_tokens: See :func:`tokenize_pair`.
@@ -200,6 +252,8 @@ def tokenize_dataset(
         keep_pairs: Also return the normalised pair of every accepted row.
         progress: Show a tqdm bar on stderr; ``None``: only on a terminal and for at least 1000 rows.
         desc: Label of the progress bar and prefix of the row names in messages (e.g. an input file name).
+        first_row: Number of the first row in messages: 0 for an index into an in-memory dataset, 1 for the
+            rows of a file (``prepare-data``).
 
     Returns:
         A :class:`TokenizationResult`.
@@ -211,49 +265,100 @@ def tokenize_dataset(
         (1, {'schema': 1})
     """
     _check_lengths(max_length, max_prompt_length, max_pair_tokens)
-    tokenize = functools.partial(
-        tokenize_pair,
-        tokenizer=tokenizer,
-        max_length=max_length,
-        max_prompt_length=max_prompt_length,
-        max_pair_tokens=max_pair_tokens,
+    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+
+    def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool]:
+        pair = normalize_row(row)
+        tokenized = tokenize_pair(pair, tokenizer, **limits)
+        return pair, tokenized.to_features(), tokenized.truncated
+
+    rows = _progress(dataset_or_rows, progress, desc)
+    return _convert_rows(rows, convert, strict=strict, keep_pairs=keep_pairs, desc=desc, first_row=first_row)
+
+
+def truncate_dataset(
+    rows: Iterable[Mapping[str, Any]],
+    *,
+    max_length: int,
+    max_prompt_length: int | None,
+    max_pair_tokens: int | None = None,
+    strict: bool = True,
+    progress: bool | None = None,
+    desc: str = "dataset",
+    first_row: int = 0,
+) -> TokenizationResult:
+    """Applies :func:`truncate_pair` (the raw rows' truncation and checks) to already tokenised rows.
+
+    Args:
+        rows: A ``datasets.Dataset`` or iterable of mappings with the three ``*_input_ids`` columns.
+        max_length / max_prompt_length / max_pair_tokens: See :func:`tokenize_pair`.
+        strict / progress / desc / first_row: See :func:`tokenize_dataset`.
+
+    Returns:
+        A :class:`TokenizationResult` whose ``features`` are the rows themselves, a truncated row as a copy with
+        its id columns replaced (other columns kept).
+
+    Example:
+        >>> row = {"prompt_input_ids": [1, 2, 3], "chosen_input_ids": [4, 5, 2], "rejected_input_ids": [6, 2]}
+        >>> result = truncate_dataset([row], max_length=4, max_prompt_length=2)
+        >>> result.features[0]["prompt_input_ids"], result.features[0]["chosen_input_ids"], result.num_truncated
+        ([2, 3], [4, 5], 1)
+    """
+    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+
+    def convert(row: Any) -> tuple[None, dict[str, Any], bool]:
+        tokenized = truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
+        return None, ({**row, **tokenized.to_features()} if tokenized.truncated else row), tokenized.truncated
+
+    return _convert_rows(
+        _progress(rows, progress, desc), convert, strict=strict, keep_pairs=False, desc=desc, first_row=first_row
     )
-    total = len(dataset_or_rows) if hasattr(dataset_or_rows, "__len__") else None
-    if progress is None:
-        progress = total is not None and total >= PROGRESS_MIN_ROWS and sys.stderr.isatty()
-    rows = _progress(dataset_or_rows, total, progress, desc)
-    return _tokenize_rows(rows, tokenize, strict=strict, keep_pairs=keep_pairs, desc=desc)
 
 
-def _tokenize_rows(
+def _convert_rows(
     rows: Iterable[Any],
-    tokenize: Callable[[PreferencePair], TokenizedPair],
+    convert: RowConverter,
     *,
     strict: bool,
     keep_pairs: bool,
     desc: str,
+    first_row: int,
 ) -> TokenizationResult:
-    features: list[dict[str, list[int]]] = []
+    features: list[dict[str, Any]] = []
     row_indices: list[int] = []
     pairs: list[PreferencePair] = []
     rejections: Counter[str] = Counter()
     examples: dict[str, str] = {}
-    for index, row in enumerate(rows):
+    first_rejection: str | None = None
+    num_truncated = 0
+    for index, row in enumerate(iter_rows(rows)):
         try:
-            pair = normalize_row(row)
-            tokenized = tokenize(pair)
+            pair, row_features, truncated = convert(row)
         except PreferenceRowError as exc:
+            message = f"{desc} row {index + first_row}: {exc.message}"
             if strict:
-                raise PreferenceRowError(exc.reason_code, f"{desc} row {index}: {exc.message}") from exc
+                raise PreferenceRowError(exc.reason_code, message) from exc
             rejections[exc.reason_code] += 1
-            examples.setdefault(exc.reason_code, f"{desc} row {index}: {exc.message}")
+            examples.setdefault(exc.reason_code, message)
+            first_rejection = first_rejection or f"[{exc.reason_code}] {message}"
             continue
-        features.append(tokenized.to_features())
+        features.append(row_features)
         row_indices.append(index)
-        if keep_pairs:
+        num_truncated += truncated
+        if keep_pairs and pair is not None:
             pairs.append(pair)
     num_rows = len(features) + sum(rejections.values())
-    return TokenizationResult(features, row_indices, rejections, examples, num_rows, pairs if keep_pairs else None)
+    return TokenizationResult(
+        features,
+        row_indices,
+        rejections,
+        examples,
+        num_rows,
+        pairs if keep_pairs else None,
+        num_truncated=num_truncated,
+        first_rejection=first_rejection,
+    )
 
 
 def pair_costs(rows: Any) -> list[int]:
@@ -375,9 +480,68 @@ def _end_with_eos(ids: list[int], eos: int, tokenizer: Any) -> list[int]:
     return [*ids, eos]
 
 
-def _progress(rows: Iterable[Any], total: int | None, enabled: bool, desc: str) -> Iterable[Any]:
+def has_chat_template(tokenizer: Any) -> bool:
+    """True when ``tokenizer`` has a chat template (else plain-string rows are tokenised by concatenation).
+
+    A Hugging Face tokenizer says so with ``chat_template``; an object without that attribute counts as templated
+    when it has ``apply_chat_template``.
+    """
+    if hasattr(tokenizer, "chat_template"):
+        return bool(tokenizer.chat_template)
+    return hasattr(tokenizer, "apply_chat_template")
+
+
+def _concatenated_ids(tokenizer: Any, pair: PreferencePair, eos: int) -> tuple[list[int], list[int], list[int]]:
+    """TRL's non-conversational tokenisation of a plain-string pair (see the module docstring); no chat template."""
+    if not pair.plain_text:
+        raise PreferenceRowError(
+            "no_chat_template",
+            "the tokenizer has no chat template, and this row holds chat turns (message lists, or an Anthropic-HH "
+            "transcript) that only a template can render: give the tokenizer a chat template (a chat_template.jinja "
+            "file in its directory, or tokenizer.chat_template = ...), or write the row as three plain strings "
+            "'prompt' / 'chosen' / 'rejected', which are tokenised by concatenation.",
+        )
+    prompt = pair.prompt_messages[0]["content"]
+    prompt_ids = _encode_text(tokenizer, prompt)
+    fulls = [_encode_text(tokenizer, prompt + c[0]["content"]) for c in (pair.chosen_messages, pair.rejected_messages)]
+    shared = min(_common_prefix_length(prompt_ids, full) for full in fulls)
+    if shared == 0:
+        raise PreferenceRowError(
+            "empty_prompt",
+            "the prompt tokenises to no tokens ahead of the completion (no chat template, and the tokenizer adds no "
+            "BOS): the first completion token would have no context; give a non-empty prompt.",
+        )
+    completions = []
+    for name, full in zip(("chosen", "rejected"), fulls, strict=True):
+        if len(full) == shared:
+            raise PreferenceRowError(
+                "empty_completion", f"'{name}' tokenises to no tokens after the prompt; give a non-empty response."
+            )
+        completions.append(_end_with_eos(full[shared:], eos, tokenizer))
+    return prompt_ids[:shared], completions[0], completions[1]
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    out = tokenizer(text, add_special_tokens=True, split_special_tokens=True)["input_ids"]
+    return [int(i) for i in (out.tolist() if hasattr(out, "tolist") else out)]
+
+
+def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _progress(rows: Any, enabled: bool | None, desc: str) -> Any:
+    """``rows`` wrapped in a tqdm bar on stderr when ``enabled`` (``None``: a terminal and >= 1000 rows)."""
+    total = len(rows) if hasattr(rows, "__len__") else None
+    if enabled is None:
+        enabled = total is not None and total >= PROGRESS_MIN_ROWS and sys.stderr.isatty()
     if not enabled:
         return rows
     from tqdm.auto import tqdm
 
-    return tqdm(rows, total=total, desc=desc, unit="row", file=sys.stderr)
+    return tqdm(iter_rows(rows), total=total, desc=desc, unit="row", file=sys.stderr)

@@ -16,6 +16,7 @@ from typing import Any
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import VerifiedSnapshot, verify_snapshot
+from pair_dpo_trainer.modeling.paths import require_model_directory
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +57,8 @@ def resolve_reference_source(
 
     Raises:
         ConfigError: ``reference_not_pinned`` (standard DPO without ``ref_model_revision`` and without
-            ``allow_unpinned_reference``), ``reference_not_local`` (no local directory to verify),
+            ``allow_unpinned_reference``), ``reference_not_local`` (no local directory to verify, or an unpinned
+            ``ref_model_name_or_path`` that is not a model directory),
             ``unsupported_combination`` (a ``ref_model`` object cannot be verified against a revision).
         SnapshotIntegrityError: The directory does not verify (reason codes of ``verify_snapshot``).
     """
@@ -102,6 +104,10 @@ def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> Re
         "recorded with pinned=false."
     )
     directory = None if ref_model_given else (args.ref_model_name_or_path or policy_source)
+    if directory is not None and args.ref_model_name_or_path:
+        require_model_directory(
+            directory, role="reference", option="ref_model_name_or_path", code="reference_not_local"
+        )
     return ReferenceSource(directory, None, None, args.ref_model_repo_id)
 
 

@@ -1,0 +1,168 @@
+"""A ``pair-dpo prepare-data`` directory as the trainer gets it: the rows of one split and the manifest they came with.
+
+The token ids of a prepared directory are only valid for the tokenizer and the length limits it was prepared with, so
+:func:`load_prepared` returns a :class:`PreparedSplit` (a sequence of rows that carries its manifest) and the trainer
+checks it once, before any row is used (:meth:`PreparedSplit.check`, called by
+:func:`~pair_dpo_trainer.data.dataset.as_pair_dataset`):
+
+- the tokenizer's fingerprint (:mod:`pair_dpo_trainer.data.fingerprint`) must equal the manifest's, else
+  ``tokenizer_mismatch``;
+- the run's limits may be the preparation's or tighter, and are then applied to the rows (the same truncation as raw
+  rows). Tighter means ``max_length <= L``, ``max_prompt_length <= P`` and a completion room ``max_length -
+  max_prompt_length <= L - P`` (with a long prompt a completion was cut at ``L - P`` tokens, and could not be
+  extended). Anything looser is refused (``limits_looser_than_prepared``): re-run ``prepare-data`` with the run's
+  limits.
+
+``max_pair_tokens`` of the preparation is a filter, not a limit: the run's micro-batch budget is checked on every row
+as for raw rows (``pair_too_long``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
+from pair_dpo_trainer.errors import ConfigError
+
+MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/2"
+"""The manifest format this package writes and reads (2: records the tokenizer fingerprint)."""
+
+SPLITS: tuple[str, ...] = ("train", "eval")
+
+
+@dataclass(frozen=True, eq=False)
+class PreparedSplit(Sequence):
+    """The rows of one split of a prepared directory, with the directory's manifest.
+
+    Behaves as the list of its rows (``len``, indexing, iteration); pass it as ``train_dataset`` / ``eval_dataset``.
+
+    Attributes:
+        directory: The prepared directory.
+        split: ``"train"`` or ``"eval"``.
+        manifest: The parsed ``manifest.json``.
+        rows: The rows of ``<split>.jsonl`` (messages, ``*_input_ids``, ``prompt_hash``, ``source``, ``source_row``).
+    """
+
+    directory: str
+    split: str
+    manifest: Mapping[str, Any]
+    rows: list[dict[str, Any]]
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self.rows[index]
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return iter(self.rows)
+
+    def check(self, tokenizer: Any, *, max_length: int, max_prompt_length: int) -> None:
+        """Refuses a run that would misread these rows (module docstring); returns when the rows fit the run.
+
+        Raises:
+            ConfigError: ``tokenizer_mismatch`` or ``limits_looser_than_prepared``.
+        """
+        recorded = self.manifest["tokenizer"]["fingerprint"]
+        actual = tokenizer_fingerprint(tokenizer)
+        if actual != recorded:
+            raise ConfigError(
+                "tokenizer_mismatch",
+                f"{self.directory} was prepared with tokenizer {self.manifest['tokenizer'].get('name')!r} (fingerprint "
+                f"{recorded[:12]}...), but this run's tokenizer has fingerprint {actual[:12]}...: its token ids would "
+                "mean other text to this model. Run with the tokenizer it was prepared with, or re-run `pair-dpo "
+                "prepare-data ... --tokenizer <this model's directory>`.",
+            )
+        looser = _looser_limits(self.manifest, max_length, max_prompt_length)
+        if looser:
+            prepared_length, prepared_prompt = self.manifest["max_length"], self.manifest["max_prompt_length"]
+            raise ConfigError(
+                "limits_looser_than_prepared",
+                f"{self.directory} was prepared with --max-length {prepared_length} --max-prompt-length "
+                f"{prepared_prompt}, and this run asks for more ({'; '.join(looser)}): its rows were already cut "
+                "shorter than the run would cut them. Re-run `pair-dpo prepare-data ... --max-length "
+                f"{max_length} --max-prompt-length {max_prompt_length}`, or set max_length <= {prepared_length}, "
+                f"max_prompt_length <= {prepared_prompt} and max_length - max_prompt_length <= "
+                f"{prepared_length - prepared_prompt}.",
+            )
+
+
+def _looser_limits(manifest: Mapping[str, Any], max_length: int, max_prompt_length: int) -> list[str]:
+    prepared_length, prepared_prompt = manifest["max_length"], manifest["max_prompt_length"]
+    looser = []
+    if max_length > prepared_length:
+        looser.append(f"max_length={max_length} > {prepared_length}")
+    if max_prompt_length > prepared_prompt:
+        looser.append(f"max_prompt_length={max_prompt_length} > {prepared_prompt}")
+    if max_length - max_prompt_length > prepared_length - prepared_prompt:
+        looser.append(
+            f"completion room max_length - max_prompt_length = {max_length - max_prompt_length} > "
+            f"{prepared_length - prepared_prompt}"
+        )
+    return looser
+
+
+def load_prepared(directory: str | Path, split: str) -> PreparedSplit:
+    """Reads one split of a ``prepare-data`` directory with its manifest.
+
+    Args:
+        directory: The ``--output`` directory of ``pair-dpo prepare-data``.
+        split: ``"train"`` or ``"eval"``.
+
+    Raises:
+        ConfigError: ``bad_manifest`` when ``manifest.json`` is missing, unreadable, of another format (e.g. written
+            by an older version, without the tokenizer fingerprint) or lacks a field the checks need.
+
+    Example:
+        >>> train = load_prepared("prepared/", "train")  # doctest: +SKIP
+        >>> PairDPOTrainer(model, args, train_dataset=train, ...)  # doctest: +SKIP
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r}: use one of {SPLITS}")
+    root = Path(directory)
+    manifest = read_manifest(root)
+    with open(root / f"{split}.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return PreparedSplit(directory=str(directory), split=split, manifest=manifest, rows=rows)
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """Returns the parsed ``manifest.json`` of a prepared directory, checked for what the trainer needs.
+
+    Raises:
+        ConfigError: ``bad_manifest`` (see :func:`load_prepared`).
+    """
+    path = Path(directory) / "manifest.json"
+    redo = "re-run `pair-dpo prepare-data` into a fresh --output directory"
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            "bad_manifest",
+            f"{directory} is a directory without manifest.json, so not a `pair-dpo prepare-data` output: pass a "
+            f"jsonl / json / parquet file, or {redo}.",
+        ) from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError("bad_manifest", f"{path} cannot be read as JSON ({exc}); {redo}.") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else None
+        raise ConfigError(
+            "bad_manifest",
+            f"{path} has format {found!r}, not {MANIFEST_FORMAT!r} (older versions recorded no tokenizer "
+            f"fingerprint, so the rows cannot be checked against this run's tokenizer); {redo}.",
+        )
+    tokenizer = manifest.get("tokenizer")
+    fields_ok = (
+        isinstance(tokenizer, dict)
+        and isinstance(tokenizer.get("fingerprint"), str)
+        and all(isinstance(manifest.get(key), int) for key in ("max_length", "max_prompt_length"))
+    )
+    if not fields_ok:
+        raise ConfigError(
+            "bad_manifest", f"{path} lacks tokenizer.fingerprint, max_length or max_prompt_length; {redo}."
+        )
+    return manifest
