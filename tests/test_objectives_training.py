@@ -232,6 +232,15 @@ def test_tr_dpo_is_refused_where_there_is_no_separate_in_process_reference(tmp_p
     with pytest.raises(PairDPOError) as info:  # PEFT: the reference is the policy with its adapters disabled
         build_reference(namespace, tiny_lora_llama(0), source=None, ref_model=None)
     assert info.value.reason_code == "unsupported_combination" and "PEFT" in str(info.value)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    other = LlamaForCausalLM(config)
+    with pytest.raises(PairDPOError) as info:  # another architecture: refused when the reference is built
+        _trainer(tmp_path, synthetic_pairs(8), ref_model=other, sync_ref_model=True)
+    assert info.value.reason_code == "unsupported_combination" and "architecture" in str(info.value)
 
 
 def test_tr_dpo_resume_checks_the_synced_weights_not_the_snapshot(tmp_path):

@@ -249,6 +249,10 @@ class ReferenceManager:
             ref_model=self._ref_model,
             deepspeed_config=self._deepspeed_config,
         )
+        if self.args.sync_ref_model:  # TR-DPO: refuse a reference it cannot mix now, not at the first sync
+            from pair_dpo_trainer.reference.sync import require_mixable
+
+            require_mixable(self._synced_model(), self._policy)
         if self.source is None:
             return
         self.builds += 1

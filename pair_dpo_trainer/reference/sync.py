@@ -27,12 +27,12 @@ def _named(module: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return dict(unwrap_model(module).named_parameters())
 
 
-def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
-    """``ref <- alpha * policy + (1 - alpha) * ref`` for every parameter, matched by name (in the reference's dtype).
+def require_mixable(reference: torch.nn.Module, policy: torch.nn.Module) -> None:
+    """Checks, when the reference is built, that TR-DPO can mix the two models.
 
     Raises:
-        ConfigError: ``unsupported_combination`` when the two models do not have the same parameters (names and
-            shapes): TR-DPO mixes weights, so the reference must have the policy's architecture.
+        ConfigError: ``unsupported_combination`` when they do not have the same parameters (names and shapes):
+            TR-DPO mixes weights, so the reference must have the policy's architecture.
     """
     targets, sources = _named(reference), _named(policy)
     if set(targets) != set(sources) or any(targets[k].shape != sources[k].shape for k in targets):
@@ -41,6 +41,16 @@ def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alph
             "sync_ref_model=True mixes the policy's weights into the reference, but they do not have the same "
             "parameters (names and shapes): use a reference of the policy's architecture, or sync_ref_model=False.",
         )
+
+
+def mix_into_reference(reference: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """``ref <- alpha * policy + (1 - alpha) * ref`` for every parameter, matched by name (in the reference's dtype).
+
+    Raises:
+        ConfigError: see :func:`require_mixable`.
+    """
+    require_mixable(reference, policy)
+    targets, sources = _named(reference), _named(policy)
     with torch.no_grad():
         for name, target in targets.items():
             target.mul_(1.0 - alpha).add_(sources[name].detach().to(target.dtype), alpha=alpha)
