@@ -16,6 +16,15 @@ def reference_mode(args: Any, source: Any) -> str:
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
 
 
+def _microbatches(args: Any) -> str:
+    """How a rank's pairs of a step are split: a fixed count, or the token budget (``pad_to_budget`` noted)."""
+    budget = getattr(args, "max_tokens_per_microbatch", None)
+    if budget is None:
+        return f"{args.gradient_accumulation_steps} micro-batches"
+    padded = ", padded to it" if getattr(args, "pad_to_budget", False) else ""
+    return f"micro-batches of <= {budget} tokens{padded}"
+
+
 def run_summary(args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes: tuple[str, ...] = ()) -> str:
     """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, and
     the ZeRO-3 leaf module classes when there are any.
@@ -28,7 +37,7 @@ def run_summary(args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes
     leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
-        f"{args.gradient_accumulation_steps} micro-batches) | attention {attn_backend} | "
+        f"{_microbatches(args)}) | attention {attn_backend} | "
         f"reference {reference_mode(args, source)} | loss {objective_summary(args)}, beta={args.beta}{leaves}"
     )
 

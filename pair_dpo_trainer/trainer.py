@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
 
+from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset
 from pair_dpo_trainer.distributed import assert_ranks_agree
@@ -42,7 +44,7 @@ from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
-from pair_dpo_trainer.samplers import PairBatchSampler
+from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.summary import run_summary
 
@@ -92,7 +94,10 @@ class PairDPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0),
+            data_collator=PackedPairCollator(
+                pad_token_id=processing_class.pad_token_id or 0,
+                pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
+            ),
             train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
             eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),
             processing_class=processing_class,
@@ -115,7 +120,7 @@ class PairDPOTrainer(Trainer):
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
         self._metrics = {"train": PairMetrics(components), "eval": PairMetrics(components)}
-        self._train_sampler: PairBatchSampler | None = None
+        self._train_sampler: PairBatchSampler | PairStepSampler | None = None
         self._flop_params: int | None = None
         if args.torch_compile:
             self._take_over_compile()
@@ -129,7 +134,7 @@ class PairDPOTrainer(Trainer):
             tokenizer,
             max_length=args.max_length,
             max_prompt_length=args.max_prompt_length,
-            max_pair_tokens=args.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             progress=not args.disable_tqdm and args.process_index == 0,
             desc=desc,
         )
@@ -228,19 +233,17 @@ class PairDPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
-        """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding)."""
-        args = self.args
-        sampler = PairBatchSampler(
-            self._costs(self.train_dataset),
-            world_size=args.world_size,
-            rank=args.process_index,
-            pairs_per_rank=args.pairs_per_rank_per_step,
-            microbatches=args.gradient_accumulation_steps,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
+        """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding).
+
+        With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
+        step, see ``accumulation``)."""
+        sampler = train_sampler(self._costs(self.train_dataset), self.args)
         assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
         self._train_sampler = sampler
-        return self._loader(self.reference_manager.attach(self.train_dataset), sampler, PairDataLoader)
+        dataset = self.reference_manager.attach(self.train_dataset)
+        if isinstance(sampler, PairStepSampler):
+            return self._loader(StepPairs(dataset), sampler, PairDataLoader, StepCollator(self.data_collator))
+        return self._loader(dataset, sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
@@ -252,16 +255,17 @@ class PairDPOTrainer(Trainer):
             world_size=self.args.world_size,
             rank=self.args.process_index,
             pairs_per_microbatch=self.args.per_device_eval_batch_size,
+            max_tokens_per_microbatch=self.args.max_tokens_per_microbatch,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
         return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, DataLoader)
 
-    def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader]) -> DataLoader:
+    def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader], collate_fn: Any = None) -> DataLoader:
         workers = self.args.dataloader_num_workers
         return cls(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=self.data_collator,
+            collate_fn=collate_fn or self.data_collator,
             num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
@@ -287,6 +291,18 @@ class PairDPOTrainer(Trainer):
         )
         return batch_samples, self._train_sampler.global_pairs_per_step
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """HF's micro-batch ``training_step``; a whole token-budget step (``StepBatch``) runs each of its micro-batches
+        through it, gradients synchronised after the last (``accumulation.run_step``)."""
+        if isinstance(inputs, StepBatch):
+            return run_step(
+                inputs,
+                accelerator=self.accelerator,
+                model=model,
+                microbatch_step=lambda batch: self.training_step(model, batch, num_items_in_batch),
+            )
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
         """The batch on the device, with LD-DPO token weights when ``ld_alpha`` is set (device ops, no sync)."""
         return with_length_desensitization(inputs.to(self.args.device, non_blocking=True), self.args.ld_alpha)
@@ -300,7 +316,7 @@ class PairDPOTrainer(Trainer):
             )
             return pair_logps_from_sequences(policy, self.reference.sequence_logps(inputs), inputs)
 
-    def floating_point_ops(self, inputs: PackedPairBatch) -> int:
+    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
 
         N (non-embedding parameters, ZeRO-3 partitions counted whole) is counted once and cached: this runs per

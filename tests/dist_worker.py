@@ -5,10 +5,13 @@ Phases (each writes its result under OUT_DIR for the test process to compare):
       rank 0 saves the gradient of the first optimizer step and the loss curve.
   dp2_ga2_pre: dp2_ga2 with ``precompute_ref_logps`` (each rank computes its share, gathered over gloo): the same
       loss curve as dp2_ga2 with the online reference.
+  dp2_budget: the same global batch with a token budget (4 pairs per rank per step packed into 2-4 micro-batches of
+      <= BUDGET tokens, a varying count): gradients, losses and parameters as DP=1; DDP all-reduces once per step
+      (a counting comm hook); then an eval by the same budget over an odd number of pairs (weight-0 fillers).
   disagree: rank 1 loads one pair fewer; both ranks must raise ScheduleError('ranks_disagree'), not hang.
   objectives: every objective of :data:`OBJECTIVE_RUNS` (each TRL loss, SimPO, ORPO, mixtures, WPO, LD-DPO,
-      f-divergences, TR-DPO) as dp2_ga1 and dp2_ga2 runs of ``OBJECTIVE_STEPS`` steps against a distinct reference;
-      rank 0 saves one file per layout with every objective's first-step gradients, losses and final parameters.
+      f-divergences, TR-DPO) as dp2_ga1, dp2_ga2 and dp2_budget runs of ``OBJECTIVE_STEPS`` steps against a distinct
+      reference; rank 0 saves one file per layout with every objective's per-step gradients, losses and parameters.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tok
 
 NUM_PAIRS = 64
 GLOBAL_PAIRS = 8
+BUDGET = 48  # synthetic pairs cost 11-42 tokens here; the 4 pairs of a rank's step need 2-4 micro-batches of <= 48
+EVAL_PAIRS = 13
 OBJECTIVE_STEPS = 3
 """Enough for BCO's running mean (steps 2-3 use the previous steps' rewards) and TR-DPO syncs (every step)."""
 OBJECTIVE_TRAINING = {"optim": "sgd", "learning_rate": 2e-2}
@@ -53,6 +58,28 @@ OBJECTIVE_RUNS: dict[str, dict] = {
 """Objective runs of the DP x GA invariance check: name -> PairDPOConfig options."""
 
 
+class AllReduceCounter(TrainerCallback):
+    """Counts DDP's gradient all-reduces (a comm hook on the wrapped model) per optimizer step."""
+
+    def __init__(self, trainer: PairDPOTrainer) -> None:
+        self.trainer = trainer
+        self.calls = 0
+        self.per_step: list[int] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.trainer.model_wrapped.register_comm_hook(state=self, hook=_counting_allreduce)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.per_step.append(self.calls - sum(self.per_step))
+
+
+def _counting_allreduce(counter: AllReduceCounter, bucket):
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    counter.calls += 1
+    return allreduce_hook(None, bucket)
+
+
 class FirstStepGradients(TrainerCallback):
     """Copies every parameter's gradient just before each optimizer step (after DDP averaging): ``grads`` holds the
     first step's, ``step_grads`` every step's."""
@@ -68,19 +95,27 @@ class FirstStepGradients(TrainerCallback):
 
 
 def build_trainer(
-    out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, ref_model=None, **kwargs
+    out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, eval_pairs=None, ref_model=None, **kwargs
 ) -> PairDPOTrainer:
+    """``ga=None``: a token budget (``BUDGET``) instead of a fixed number of micro-batches."""
+    budget = {"max_tokens_per_microbatch": BUDGET} if ga is None else {}
     options = {"learning_rate": 1e-2, "max_grad_norm": 0.0, **kwargs}
     config = cpu_config(
         out_dir,
         output_dir=str(out_dir),
         max_steps=max_steps,
-        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * ga),
-        gradient_accumulation_steps=ga,
+        per_device_train_batch_size=GLOBAL_PAIRS // (world_size * (ga or 1)),
+        gradient_accumulation_steps=ga or 1,
+        **budget,
         **options,
     )
     return PairDPOTrainer(
-        model=tiny_llama(0), args=config, train_dataset=pairs, processing_class=tiny_tokenizer(), ref_model=ref_model
+        model=tiny_llama(0),
+        args=config,
+        train_dataset=pairs,
+        eval_dataset=eval_pairs,
+        processing_class=tiny_tokenizer(),
+        ref_model=ref_model,
     )
 
 
@@ -96,16 +131,33 @@ def equal_length_pairs(n: int) -> list[dict[str, list[int]]]:
     return rows
 
 
-def run_layout(out_dir: Path, name: str, *, world_size: int, ga: int, steps: int = 5, pairs=None, **kwargs) -> dict:
-    """Trains ``steps`` steps and returns the first-step gradients, the loss curve and the final parameters."""
+def run_layout(
+    out_dir: Path, name: str, *, world_size: int, ga: int | None, steps: int = 5, pairs=None, evaluate=True, **kwargs
+) -> dict:
+    """Trains ``steps`` steps and returns the first-step and per-step gradients, the loss curve, the all-reduces per
+    step under DDP and, with a budget, the micro-batch counts of the steps and (``evaluate``) the metrics of an eval
+    over ``EVAL_PAIRS`` pairs."""
     recorder = FirstStepGradients()
     pairs = synthetic_pairs(NUM_PAIRS) if pairs is None else pairs
-    trainer = build_trainer(out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=steps, **kwargs)
+    evaluate = evaluate and ga is None
+    eval_pairs = synthetic_pairs(EVAL_PAIRS, seed=9) if evaluate else None
+    trainer = build_trainer(
+        out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=steps, eval_pairs=eval_pairs, **kwargs
+    )
     trainer.add_callback(recorder)
+    counter = AllReduceCounter(trainer)
+    if world_size > 1:
+        trainer.add_callback(counter)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    return {"grads": recorder.grads, "step_grads": recorder.step_grads, "losses": losses, "params": params}
+    result = {"grads": recorder.grads, "step_grads": recorder.step_grads, "losses": losses, "params": params}
+    result["allreduces"] = counter.per_step
+    if ga is None:
+        result["microbatch_counts"] = trainer._train_sampler.microbatch_counts()[:steps]
+    if evaluate:
+        result["eval"] = trainer.evaluate()
+    return result
 
 
 def objective_options(name: str) -> dict:
@@ -122,9 +174,9 @@ def objective_options(name: str) -> dict:
     return options
 
 
-def run_objectives(out_dir: Path, *, world_size: int, ga: int) -> dict[str, dict]:
-    """Every objective of :data:`OBJECTIVE_RUNS` in one layout."""
-    layout = f"dp{world_size}_ga{ga}"
+def run_objectives(out_dir: Path, *, world_size: int, ga: int | None) -> dict[str, dict]:
+    """Every objective of :data:`OBJECTIVE_RUNS` in one layout (``ga=None``: the token budget)."""
+    layout = f"dp{world_size}_{'budget' if ga is None else f'ga{ga}'}"
     return {
         name: run_layout(
             out_dir,
@@ -132,6 +184,7 @@ def run_objectives(out_dir: Path, *, world_size: int, ga: int) -> dict[str, dict
             world_size=world_size,
             ga=ga,
             steps=OBJECTIVE_STEPS,
+            evaluate=False,
             **objective_options(name),
         )
         for name in OBJECTIVE_RUNS
@@ -151,15 +204,20 @@ def run_disagreement(out_dir: Path, rank: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    layouts = (("dp2_ga1", 1, {}), ("dp2_ga2", 2, {}), ("dp2_ga2_pre", 2, {"precompute_ref_logps": True}))
+    layouts = (
+        ("dp2_ga1", 1, {}),
+        ("dp2_ga2", 2, {}),
+        ("dp2_ga2_pre", 2, {"precompute_ref_logps": True}),
+        ("dp2_budget", None, {}),
+    )
     for name, ga, options in layouts:
         result = run_layout(out_dir, name, world_size=2, ga=ga, **options)
         if dist.get_rank() == 0:
             torch.save(result, out_dir / f"{name}.pt")
-    for ga in (1, 2):
+    for layout, ga in (("ga1", 1), ("ga2", 2), ("budget", None)):
         results = run_objectives(out_dir, world_size=2, ga=ga)
         if dist.get_rank() == 0:
-            torch.save(results, out_dir / f"objectives_dp2_ga{ga}.pt")
+            torch.save(results, out_dir / f"objectives_dp2_{layout}.pt")
     rank = dist.get_rank()
     (out_dir / f"disagree_rank{rank}.json").write_text(json.dumps(run_disagreement(out_dir, rank)))
     dist.barrier()

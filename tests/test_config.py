@@ -66,6 +66,9 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"sync_ref_model": True, "precompute_ref_logps": True}, "unsupported_combination"),
         ({"loss_type": "simpo", "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
         ({"precompute_ref_logps": True, "loss_type": ["orpo", "sft"]}, "unsupported_combination"),
+        ({"max_tokens_per_microbatch": 0}, "bad_length"),
+        ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
+        ({"pad_to_budget": True}, "unsupported_combination"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
@@ -127,3 +130,11 @@ def test_reference_free_objectives_use_no_reference(tmp_path):
     assert not _config(tmp_path, loss_type=["orpo", "sft"]).uses_reference
     assert _config(tmp_path, loss_type=["sigmoid", "sft"]).uses_reference
     assert not _config(tmp_path, reference_free=True).uses_reference
+
+
+def test_token_budget_needs_one_accumulation_step_and_names_the_pairs_per_step(tmp_path):
+    config = _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=32, pad_to_budget=True)
+    assert config.pairs_per_rank_per_step == 32 and config.gradient_accumulation_steps == 1
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=8, gradient_accumulation_steps=4)
+    assert "gradient_accumulation_steps=1" in str(info.value) and "(here 32)" in str(info.value)

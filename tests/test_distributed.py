@@ -46,7 +46,12 @@ def dp1_ga2(tmp_path_factory):
     return run_layout(tmp_path_factory.mktemp("dp1"), "dp1_ga2", world_size=1, ga=2)
 
 
-@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+@pytest.fixture(scope="module")
+def dp1_budget(tmp_path_factory):
+    return run_layout(tmp_path_factory.mktemp("dp1b"), "dp1_budget", world_size=1, ga=None)
+
+
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])
 def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, layout):
     other = torch.load(two_rank_results / f"{layout}.pt")
     assert set(other["grads"]) == set(dp1_ga2["grads"]) and len(other["grads"]) > 0
@@ -57,13 +62,25 @@ def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, la
         assert diff / scale < 1e-6, f"{layout} {name}: max abs diff {diff:.3e} vs scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])
 def test_five_step_loss_curves_and_parameters_match(two_rank_results, dp1_ga2, layout):
     other = torch.load(two_rank_results / f"{layout}.pt")
     assert len(other["losses"]) == len(dp1_ga2["losses"]) == 5
     assert other["losses"] == pytest.approx(dp1_ga2["losses"], abs=1e-5)
     for name, param in dp1_ga2["params"].items():
         torch.testing.assert_close(other["params"][name], param, atol=1e-5, rtol=0, msg=name)
+
+
+def test_budget_under_ddp_syncs_once_per_step_and_evaluates_like_one_process(two_rank_results, dp1_budget):
+    """Every budget step has 2+ micro-batches per rank, yet DDP all-reduces as often per step as a one-micro-batch
+    step (no_sync on all but the last); the budget's eval (fillers on the short rank) equals the one-process eval."""
+    budget, ga1 = torch.load(two_rank_results / "dp2_budget.pt"), torch.load(two_rank_results / "dp2_ga1.pt")
+    assert min(budget["microbatch_counts"]) >= 2 and len(set(budget["microbatch_counts"])) > 1
+    assert len(budget["allreduces"]) == 5 and min(ga1["allreduces"]) > 0
+    assert budget["allreduces"] == ga1["allreduces"]
+    assert dp1_budget["losses"] == pytest.approx(budget["losses"], abs=1e-5)
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert budget["eval"][key] == pytest.approx(dp1_budget["eval"][key], abs=1e-5), key
 
 
 def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_results):
@@ -80,21 +97,21 @@ def objectives_dp1_ga2(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("objective", sorted(OBJECTIVE_RUNS))
 def test_every_objective_is_invariant_to_the_dp_ga_layout(two_rank_results, objectives_dp1_ga2, objective):
-    """(DP=1, GA=2), (DP=2, GA=1) and (DP=2, GA=2) on the same global batches: the same first-step gradient, loss
-    curve and parameters for every objective (step-level ones included: BCO's running mean, AOT's sort and sft's
-    token mean over the optimizer step, TR-DPO's reference sync)."""
+    """(DP=1, GA=2), (DP=2, GA=1), (DP=2, GA=2) and (DP=2, token budget: 2-4 micro-batches per step) on the same
+    global batches: the same per-step gradients, loss curve and parameters for every objective (step-level ones
+    included: BCO's running mean, AOT's sort and sft's token mean over the optimizer step, TR-DPO's reference sync)."""
     reference = objectives_dp1_ga2[objective]
     assert len(reference["step_grads"]) == 3
-    for ga in (1, 2):
-        other = torch.load(two_rank_results / f"objectives_dp2_ga{ga}.pt")[objective]
+    for layout in ("ga1", "ga2", "budget"):
+        other = torch.load(two_rank_results / f"objectives_dp2_{layout}.pt")[objective]
         for step, grads in enumerate(reference["step_grads"]):  # every step: the state of previous steps matters
             scale = max(float(g.abs().max()) for g in grads.values())
             assert scale > 0
             worst = max(float((other["step_grads"][step][name] - g).abs().max()) for name, g in grads.items())
-            assert worst / scale < 1e-5, f"{objective} dp2_ga{ga} step {step + 1}: {worst:.3e} vs scale {scale:.3e}"
+            assert worst / scale < 1e-5, f"{objective} dp2_{layout} step {step + 1}: {worst:.3e} vs scale {scale:.3e}"
         assert other["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
         worst = max(float((other["params"][n] - p).abs().max()) for n, p in reference["params"].items())
-        assert worst < 1e-6, f"{objective} dp2_ga{ga}: parameters differ by {worst:.3e}"
+        assert worst < 1e-6, f"{objective} dp2_{layout}: parameters differ by {worst:.3e}"
 
 
 def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):

@@ -283,29 +283,35 @@ class _FirstGrads(TrainerCallback):
 
 @pytest.mark.parametrize("loss_type", ["aot", "aot_unpaired", "sft"])
 def test_step_level_objectives_do_not_depend_on_gradient_accumulation(tmp_path, loss_type):
-    """8 pairs per step as 1 x 8 or 2 x 4 micro-batches (the same global batch): the same first gradient, since AOT
-    sorts and sft averages over the optimizer step, not the micro-batch."""
+    """8 pairs per step as 1 x 8, 2 x 4 or token-budget micro-batches (the same global batch): the same first
+    gradient, since AOT sorts and sft averages over the optimizer step, not the micro-batch."""
     pairs = synthetic_pairs(32, seed=7)
-    grads = []
-    for ga in (1, 2):
+    layouts = {
+        "ga1": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1},
+        "ga2": {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2},
+        "budget": {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "max_tokens_per_microbatch": 48},
+    }
+    grads = {}
+    for name, layout in layouts.items():
         trainer = _trainer(
-            tmp_path / f"ga{ga}",
+            tmp_path / name,
             pairs,
             ref_model=None if loss_type == "sft" else tiny_llama(1),
             loss_type=loss_type,
             max_steps=1,
-            per_device_train_batch_size=8 // ga,
-            gradient_accumulation_steps=ga,
+            **layout,
         )
         recorder = _FirstGrads()
         trainer.add_callback(recorder)
         trainer.train()
-        grads.append(recorder.grads)
-    scale = max(float(g.abs().max()) for g in grads[0].values())
-    assert scale > 0
-    for name, grad in grads[0].items():
-        assert float((grads[1][name] - grad).abs().max()) / scale < 1e-5, name
-    assert math.isfinite(scale)
+        grads[name] = recorder.grads
+        if name == "budget":
+            assert trainer._train_sampler.microbatch_counts()[0] >= 2  # a step of several token-budget micro-batches
+    scale = max(float(g.abs().max()) for g in grads["ga1"].values())
+    assert math.isfinite(scale) and scale > 0
+    for name in ("ga2", "budget"):
+        for key, grad in grads["ga1"].items():
+            assert float((grads[name][key] - grad).abs().max()) / scale < 1e-5, (name, key)
 
 
 def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):

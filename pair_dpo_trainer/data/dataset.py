@@ -32,7 +32,7 @@ def as_pair_dataset(
     *,
     max_length: int,
     max_prompt_length: int,
-    max_pair_tokens: int | None,
+    max_tokens_per_microbatch: int | None,
     progress: bool = False,
     desc: str = "dataset",
 ) -> Any:
@@ -46,7 +46,8 @@ def as_pair_dataset(
         dataset: Preference rows in any supported shape, tokenised pairs, a :class:`PreparedSplit`, or a dict of
             named eval datasets (each converted; returned as a dict).
         tokenizer: The run's tokenizer.
-        max_length / max_prompt_length / max_pair_tokens: See :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch: See
+            :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
         progress: Show a progress bar on stderr while tokenising raw rows.
         desc: Name of the dataset in messages, the log line and the progress bar.
 
@@ -58,7 +59,11 @@ def as_pair_dataset(
             the run (see :mod:`pair_dpo_trainer.data.prepared`).
         PreferenceRowError: The first bad row.
     """
-    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+    limits = {
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         return {
             name: as_pair_dataset(part, tokenizer, **limits, progress=progress, desc=f"{desc} {name!r}")

@@ -128,11 +128,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
     )
     parser.add_argument(
-        "--max-pair-tokens",
+        "--max-tokens-per-microbatch",
         type=int,
         default=None,
         metavar="T",
-        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected).",
+        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
+        "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
     )
     parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
     parser.add_argument(
@@ -196,8 +197,8 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--max-prompt-length={args.max_prompt_length}: set 0 < P < --max-length "
             f"({args.max_length}) so every completion keeps at least one token."
         )
-    if args.max_pair_tokens is not None and args.max_pair_tokens < 1:
-        raise UsageError(f"--max-pair-tokens={args.max_pair_tokens}: must be >= 1.")
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 1:
+        raise UsageError(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch}: must be >= 1.")
     for path in args.inputs:
         if input_format(path) is None:
             raise UsageError(f"{path}: unsupported input format; use {', '.join(sorted(FORMATS))} files.")
@@ -264,7 +265,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any) -> ReadResult:
                 tokenizer,
                 max_length=args.max_length,
                 max_prompt_length=args.max_prompt_length,
-                max_pair_tokens=args.max_pair_tokens,
+                max_tokens_per_microbatch=args.max_tokens_per_microbatch,
                 strict=args.strict,
                 keep_pairs=True,
                 progress=not args.disable_tqdm,
@@ -320,7 +321,7 @@ def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[s
         "eval_size": args.eval_size,
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
-        "max_pair_tokens": args.max_pair_tokens,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "tokenizer": tokenizer_info,
         "splits": {
             name: {"pairs": len(rows), "prompts": len({c.prompt_hash for c in rows})}

@@ -15,6 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.losses.base import PairLogps, StepContext
 from pair_dpo_trainer.losses.objective import Objective, ObjectiveOutput
 from pair_dpo_trainer.losses.state import RunningRewardMean, read_objective_state, write_objective_state
@@ -49,14 +50,21 @@ class ObjectiveRuntime:
         return self.contexts.sorts_step
 
     def attach_step_contexts(
-        self, batches: Sequence[PackedPairBatch], *, margins_fn: MarginsFn, pairs_per_rank: int
-    ) -> list[PackedPairBatch]:
-        """The step's host micro-batches, each carrying its :class:`StepContext` (a collective: every rank)."""
-        if not self.needs_step_context or not batches:
-            return list(batches)
+        self, items: Sequence[PackedPairBatch | StepBatch], *, margins_fn: MarginsFn, pairs_per_rank: int
+    ) -> list[PackedPairBatch | StepBatch]:
+        """The step's host items (the Trainer's accumulation micro-batches, or one token-budget ``StepBatch``), each
+        micro-batch carrying its :class:`StepContext` (a collective: every rank)."""
+        if not self.needs_step_context or not items:
+            return list(items)
+        groups = [item.microbatches if isinstance(item, StepBatch) else (item,) for item in items]
+        batches = [batch for group in groups for batch in group]
         margins = margins_fn if self.sorts_step else None
-        contexts = self.contexts.for_step(batches, self.device, margins_fn=margins, pairs_per_rank=pairs_per_rank)
-        return [batch.with_step_context(context) for batch, context in zip(batches, contexts, strict=True)]
+        contexts = iter(self.contexts.for_step(batches, self.device, margins_fn=margins, pairs_per_rank=pairs_per_rank))
+        attached = [tuple(batch.with_step_context(next(contexts)) for batch in group) for group in groups]
+        return [
+            StepBatch(group) if isinstance(item, StepBatch) else group[0]
+            for item, group in zip(items, attached, strict=True)
+        ]
 
     def __call__(self, logps: PairLogps, batch: PackedPairBatch, *, training: bool) -> ObjectiveOutput:
         """Per-pair losses of one micro-batch; a training micro-batch also feeds BCO's pending reward sums."""
