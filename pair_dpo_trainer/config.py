@@ -181,8 +181,8 @@ class PairDPOConfig(TrainingArguments):
     ref_offload_params: bool | None = field(
         default=None,
         metadata={
-            "help": "DeepSpeed ZeRO-3 only: keep the reference engine's parameters in CPU memory (True) or on the "
-            "accelerator (False). None: the same offload_param setting as the policy."
+            "help": "DeepSpeed ZeRO-3 or FSDP2 only: keep the sharded reference's parameters in CPU memory (True) or "
+            "on the accelerator (False). None: the same setting as the policy (offload_param / fsdp_offload_params)."
         },
     )
     ref_zero_stage: int | None = field(
@@ -202,6 +202,15 @@ class PairDPOConfig(TrainingArguments):
             "(a few hooks per layer instead of one per Linear/norm: far less host time per step; a whole layer "
             "is gathered at a time); none for a PEFT policy. 'none': DeepSpeed's per-submodule hooks. Or "
             "comma-separated class names (not with PEFT)."
+        },
+    )
+    # issue 17: FSDP2 reference layout.
+    ref_fsdp_shard: bool | None = field(
+        default=None,
+        metadata={
+            "help": "FSDP2 only: shard the frozen reference with fully_shard per decoder layer (True; inference-only: "
+            "no gradients, no optimizer state) or replicate it on every rank in the compute dtype (False: no "
+            "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
         },
     )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
@@ -258,6 +267,7 @@ class PairDPOConfig(TrainingArguments):
                 )
             )
         problems.extend(self._reference_engine_problems())
+        problems.extend(self._fsdp_problems())
         problems.extend(self._length_problems())
         problems.extend(self._compile_problems())
         problems.extend(self._budget_problems())
@@ -286,6 +296,23 @@ class PairDPOConfig(TrainingArguments):
                     "ref_zero_stage=0 replicates the reference on every accelerator, but ref_offload_params=True "
                     "offloads the parameters of a sharded (ZeRO-3) reference: set ref_zero_stage=3 (or leave it "
                     "unset) to offload, or ref_offload_params=False / unset to replicate.",
+                )
+            ]
+        return []
+
+    def _fsdp_problems(self) -> list[tuple[str, str]]:
+        """``ref_fsdp_shard``; the checks that need the FSDP plugin are in ``modeling.fsdp2`` and ``reference.fsdp``."""
+        shard = self.ref_fsdp_shard
+        if shard is not None and not isinstance(shard, bool):
+            return [
+                ("bad_ref_fsdp_shard", f"ref_fsdp_shard={shard!r}: use None (shard like the policy), True or False.")
+            ]
+        if shard is False and self.ref_offload_params:
+            return [
+                (
+                    "unsupported_combination",
+                    "ref_fsdp_shard=False replicates the reference on every accelerator, but ref_offload_params=True "
+                    "offloads the parameters of a sharded reference: set one of them differently.",
                 )
             ]
         return []

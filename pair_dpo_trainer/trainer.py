@@ -39,6 +39,7 @@ from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallba
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
@@ -115,6 +116,7 @@ class PairDPOTrainer(Trainer):
             ref_model=ref_model,
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
             mixed_precision=str(self.accelerator.mixed_precision),
+            fsdp_plugin=self.fsdp_plugin,
         )
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
@@ -124,6 +126,14 @@ class PairDPOTrainer(Trainer):
         self._flop_params: int | None = None
         if args.torch_compile:
             self._take_over_compile()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator, then FSDP2 as asked (``modeling.fsdp2.setup_fsdp2``): installed where Accelerate
+        drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
+        check_fsdp_version(self.args)
+        super().create_accelerator_and_postprocess()
+        self.fsdp_plugin = setup_fsdp2(self.accelerator, self.args)
+        self.is_fsdp_enabled = self.fsdp_plugin is not None
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
@@ -167,6 +177,7 @@ class PairDPOTrainer(Trainer):
                 attn_backend=self.attn_backend,
                 source=self.reference_source,
                 zero3_leaf_classes=self.zero3_leaf_classes,
+                fsdp2=self.fsdp_plugin is not None,
             )
             print(summary, flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
@@ -220,6 +231,14 @@ class PairDPOTrainer(Trainer):
         else:
             datasets["eval"] = self.eval_dataset
         return datasets
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; under FSDP2 the final save (not a checkpoint's) always writes full weights, also
+        when checkpoints are ``SHARDED_STATE_DICT`` (for which the Trainer's own final save writes none)."""
+        if self.fsdp_plugin is None or _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        with full_state_dict(self.fsdp_plugin):
+            return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
         """Saves the checkpoint, then writes the reference identity (and a TR-DPO synced reference) and the
@@ -366,6 +385,7 @@ class PairDPOTrainer(Trainer):
     ) -> EvalLoopOutput:
         """Runs the packed eval forwards and returns pair-weighted metrics reduced over ranks."""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
+        check_evaluable(self.fsdp_plugin, model)
         if len(self.accelerator._models) == 0 and model is self.model and self.is_deepspeed_enabled:
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
         model.eval()

@@ -50,6 +50,7 @@ Examples:
     python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --bs-for-tokens 16384
     python scripts/bench_dpo.py --tag heavy_b16k --model-size 1.5b --mix heavy --bs 32 --max-tokens-per-microbatch 16384
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 scripts/bench_dpo.py --tag z3
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 scripts/bench_dpo.py --tag fsdp2
     python scripts/bench_dpo.py --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
     python scripts/bench_dpo.py --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
 """
@@ -86,6 +87,7 @@ from bench_common import (  # noqa: E402  (the helper beside this script)
     VOCAB,
     Probe,
     dynamo_graphs,
+    fsdp_fields,
     graph_fields,
     memory_fields,
     param_counts,
@@ -168,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=(0, 3),
         help="PairDPOConfig.ref_zero_stage under DeepSpeed (0: replicated reference engine, 3: sharded; default: "
         "follow the policy), when this version of the package has the field",
+    )
+    p.add_argument(
+        "--ref-fsdp-shard",
+        choices=("true", "false"),
+        help="PairDPOConfig.ref_fsdp_shard under FSDP2 (true: reference sharded per decoder layer, false: replicated; "
+        "default: follow the policy, i.e. sharded)",
     )
     p.add_argument(
         "--zero3-leaf-modules",
@@ -363,6 +371,10 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         kwargs["ref_zero_stage"] = args.ref_zero_stage
     if args.zero3_leaf_modules is not None:
         kwargs["zero3_leaf_modules"] = args.zero3_leaf_modules
+    if args.ref_fsdp_shard is not None:
+        if "ref_fsdp_shard" not in fields:
+            raise SystemExit("--ref-fsdp-shard needs PairDPOConfig.ref_fsdp_shard (not in this version)")
+        kwargs["ref_fsdp_shard"] = args.ref_fsdp_shard == "true"
     if args.reference == "precomputed":
         if "precompute_ref_logps" not in fields:
             raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
@@ -450,6 +462,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "reference_backend": type(trainer.reference).__name__,
         "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
         "zero3_leaf_classes": list(getattr(trainer, "zero3_leaf_classes", ())),
+        **fsdp_fields(trainer),
         **step_stats(dts),
         "inner_step_median_s": round(statistics.median(inner), 4),
         "real_tokens_per_step": round(real / steps, 1),
@@ -530,7 +543,8 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     )
     print(
         f"bench_dpo: rank {ctx['rank']} of world_size {config.world_size} (WORLD_SIZE={ctx['world']}), "
-        f"deepspeed={trainer.is_deepspeed_enabled}, model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
+        f"deepspeed={trainer.is_deepspeed_enabled}, fsdp2={trainer.is_fsdp_enabled}, "
+        f"model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
         f"{ctx['bs']} pairs x {args.ga} micro-batches per step (budget {args.max_tokens_per_microbatch}, mix "
         f"{args.mix}), attn backend {trainer.attn_backend}, "
         f"reference={args.reference}/{args.ref_source}, bf16={bf16}",
@@ -594,8 +608,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile and probe.events is not None:
         row.update(write_profile(ctx, probe))
     warn_timed_compiles(row)
-    if (args.ceiling or args.ceiling_shape) and trainer.is_deepspeed_enabled:
-        print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3", flush=True)
+    if (args.ceiling or args.ceiling_shape) and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3 / FSDP2", flush=True)
     else:
         if args.ceiling:
             ceiling = run_ceiling(ctx, trainer)

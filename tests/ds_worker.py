@@ -217,13 +217,18 @@ def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-def run_failing(out_dir: Path, name: str, *, resume: str | None = None, **kwargs: Any) -> dict[str, Any]:
+def run_failing(
+    out_dir: Path, name: str, *, resume: str | None = None, evaluate: Any = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Builds a trainer and trains it (or evaluates it on the dataset ``evaluate``); the run must fail with a reason
+    code, at construction (``step`` None) or later."""
     start = time.monotonic()
-    trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+    trainer = None
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+        trainer.evaluate(evaluate) if evaluate is not None else trainer.train(resume_from_checkpoint=resume)
     except PairDPOError as exc:
-        seconds, step = time.monotonic() - start, trainer.state.global_step
+        seconds, step = time.monotonic() - start, trainer.state.global_step if trainer is not None else None
         return {"reason_code": exc.reason_code, "message": str(exc), "seconds": seconds, "step": step}
     return {"reason_code": None, "seconds": time.monotonic() - start}
 
@@ -285,7 +290,7 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pair_dpo_trainer.demo import DEMO_REVISION
-    from tests.test_reference_gate import _copy_snapshot, _reweight
+    from tests.test_reference_gate import _copy_snapshot
 
     snapshot = out_dir / "snapshot"
     if rank == 0:
@@ -314,13 +319,23 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
         "reference_logps": reference_logps(trainer),
         "sharded_logps": sharded_logps,
     }
+    result["tamper"] = resume_reweighted(out_dir, snapshot, rank, options)
+    return result
+
+
+def resume_reweighted(out_dir: Path, snapshot: Path, rank: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 changes the snapshot's weights (metadata rewritten consistently, so it still verifies); the resume of
+    the ``pinned`` run from its checkpoint-2 must then be refused (:func:`run_failing`'s result)."""
+    import torch.distributed as dist
+
+    from tests.test_reference_gate import _reweight
+
     dist.barrier()  # rank 1 may still read its replicated reference, whose weights can be mmap-backed by the file
     if rank == 0:
         _reweight(snapshot, scale=1.5)  # rewrites model.safetensors in place
     dist.barrier()
     checkpoint = str(out_dir / "pinned" / "checkpoint-2")
-    result["tamper"] = run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
-    return result
+    return run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
 
 
 def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +20,7 @@ import torch
 from pair_dpo_trainer.integrity import parameter_digest
 from tests.dpo_fixtures import tiny_lora_llama
 from tests.ds_worker import STEPS, build_trainer, losses, run_budget
+from tests.launch import accelerate_launch
 from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
@@ -69,27 +68,9 @@ def zero3(tmp_path_factory):
     config.write_text(ACCELERATE_CONFIG.format(ds_config=root / "ds_config.json", port=free_port()))
     out = root / "out"
     out.mkdir()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
-        ),
-    }
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions"))
     start = time.monotonic()
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "ds_worker.py"), str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    accelerate_launch(config, "ds_worker.py", out, env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": extensions})
     results = torch.load(out / "results.pt", weights_only=False)
     results["timings"]["launch"] = round(time.monotonic() - start, 1)
     print(f"\nZeRO-3 launch timings (s): {results['timings']}")

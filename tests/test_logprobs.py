@@ -316,3 +316,26 @@ def test_policy_pass_equals_a_naive_float64_computation_values_stats_and_gradien
     got_grads = _grads(model)
     for name, grad in expected_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FSDP2 the chunked head runs inside the model's own head call (one ``[P, 5]`` output: log-probs and
+    statistics); here the same path runs unsharded (``is_fsdp_managed`` forced) against the default path."""
+    import pair_dpo_trainer.logprobs as lp
+
+    batch = lp.with_length_desensitization(PackedPairCollator()(tiny_features(seed=4, n=3)), 0.5)
+    results = []
+    for in_forward in (False, True):
+        model = tiny_model("llama")
+        enable_pair_varlen(model, "sdpa_segments")
+        monkeypatch.setattr(lp, "is_fsdp_managed", lambda _model, forced=in_forward: forced)
+        out = lp.packed_policy_logps(model, batch, chunk_size=5)
+        (out.logps * torch.arange(1.0, 7.0)).sum().backward()
+        results.append((out, _grads(model)))
+        assert model.lm_head.forward.__func__ is type(model.lm_head).forward  # the instance override is gone
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got.logps, want.logps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.token_stats, want.token_stats, rtol=1e-5, atol=1e-5)
+    assert not got.token_stats.requires_grad
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
