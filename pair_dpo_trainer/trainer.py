@@ -9,7 +9,7 @@ gradients over the ``W`` ranks, so each micro-batch returns ``W * sum(losses) / 
 gradient of the mean loss over the step's ``N`` pairs, whatever the (DP, GA) layout. ``N`` comes from the
 deterministic schedule on the host: no collective, no GPU sync.
 
-The reference (built at once, or lazily under DeepSpeed / ``precompute_ref_logps``; identified; checked on resume
+The reference (built at once, or lazily under DeepSpeed / ``precompute_ref_log_probs``; identified; checked on resume
 before any checkpoint state is restored; precomputed and freed) is owned by
 :class:`~pair_dpo_trainer.reference.manager.ReferenceManager`; the trainer only calls it.
 """
@@ -42,6 +42,8 @@ from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
+from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
+from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
@@ -86,8 +88,13 @@ class PairDPOTrainer(Trainer):
         ref_model: PreTrainedModel | None = None,
         **kwargs: Any,
     ) -> None:
+        reject_unsupported_options(kwargs, where="PairDPOTrainer", table=TRAINER_KWARG_EQUIVALENTS)
         if not isinstance(args, PairDPOConfig):
-            raise ConfigError("bad_args", "PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass)")
+            raise ConfigError(
+                "bad_args",
+                f"PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass), got "
+                f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
+            )
         model, policy_source, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
@@ -343,7 +350,7 @@ class PairDPOTrainer(Trainer):
         """
         if self._flop_params is None:
             self._flop_params = non_embedding_parameters(self.model)
-        ref_flops = 0 if not self.args.uses_reference or self.args.precompute_ref_logps else 2
+        ref_flops = 0 if not self.args.uses_reference or self.args.precompute_ref_log_probs else 2
         prepass_flops = 2 + ref_flops if self.objective_runtime.sorts_step else 0  # AOT's gradient-free pre-pass
         return (6 + ref_flops + prepass_flops) * self._flop_params * inputs.num_tokens
 
@@ -426,6 +433,7 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
         ref_model_given=ref_model_given,
     )
     if policy_source is not None:
+        ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
         model = AutoModelForCausalLM.from_pretrained(policy_source)
     return model, policy_source, reference_source
 

@@ -134,10 +134,10 @@ def test_precomputed_reference_applies_ld_alpha_like_the_online_one(tmp_path):
     options = {"ld_alpha": 0.2, "max_steps": 3, "learning_rate": 5e-2}
     online = _trainer(tmp_path / "on", pairs, ref_model=None, **options)
     online.train()
-    pre = _trainer(tmp_path / "pre", pairs, precompute_ref_logps=True, **options)
+    pre = _trainer(tmp_path / "pre", pairs, precompute_ref_log_probs=True, **options)
     pre.train()
     assert _losses_after(pre, 0) == pytest.approx(_losses_after(online, 0), abs=1e-6)
-    plain = _trainer(tmp_path / "pre", pairs, precompute_ref_logps=True, max_steps=1)  # same cache dir, no ld_alpha
+    plain = _trainer(tmp_path / "pre", pairs, precompute_ref_log_probs=True, max_steps=1)  # same cache dir, no ld_alpha
     plain.train()
     assert plain.reference_manager.builds == 1  # another key: the LD-weighted cache is not reused for plain sums
 

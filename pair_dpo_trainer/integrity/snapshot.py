@@ -93,12 +93,16 @@ def manifest_digest(files: tuple[VerifiedFile, ...] | list[VerifiedFile]) -> str
     Returns:
         Lowercase hex SHA-256.
     """
+    return hashlib.sha256(manifest_listing(files)).hexdigest()
+
+
+def manifest_listing(files: tuple[VerifiedFile, ...] | list[VerifiedFile]) -> bytes:
+    """The canonical listing that :func:`manifest_digest` hashes (UTF-8 JSON, sorted by path)."""
     listing = sorted([f.path, f.kind, f.digest, f.size] for f in files)
-    text = json.dumps(listing, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return json.dumps(listing, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def _open_root(path: str | os.PathLike[str]) -> Path:
+def open_root(path: str | os.PathLike[str]) -> Path:
     """Returns the resolved snapshot root or raises ``not_a_directory``."""
     candidate = Path(path)
     if not candidate.is_dir():
@@ -175,7 +179,7 @@ def verify_snapshot(
         )
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    root = _open_root(path)
+    root = open_root(path)
     payload = scan_payload(root)
     records = _read_records(root, revision)
     matched = _match_payload(root, payload, records)

@@ -151,10 +151,10 @@ def loss_combination_problems(config: Any, known: Sequence[str]) -> list[str]:
         )
     if config.sync_ref_model and not config.uses_reference:
         problems.append("sync_ref_model=True updates a reference, but this run builds none (reference-free).")
-    if config.sync_ref_model and config.precompute_ref_logps:
+    if config.sync_ref_model and config.precompute_ref_log_probs:
         problems.append(
             "sync_ref_model=True changes the reference during training, so its log-probs cannot be precomputed: set "
-            "precompute_ref_logps=False."
+            "precompute_ref_log_probs=False."
         )
     if str(getattr(config, "include_num_input_tokens_seen", "no")).lower() not in ("no", "false"):
         problems.append("include_num_input_tokens_seen: pair DPO logs num_tokens itself; leave it at 'no'.")
