@@ -227,6 +227,15 @@ class PairDPOConfig(TrainingArguments):
             "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
         },
     )
+    # Fault tolerance (issue 14: runtime/resume.py):
+    allow_resume_data_mismatch: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even when the checkpoint was trained on another schedule (dataset pair lengths, seed, "
+            "batch layout): the resumed step then indexes this run's schedule (logged). Default: refuse with "
+            "'resume_data_mismatch'."
+        },
+    )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}

@@ -34,6 +34,14 @@ class ScheduleError(PairDPOError):
     """The pair schedule cannot be planned, or ranks disagree about it."""
 
 
+class RunError(PairDPOError):
+    """The run cannot go on safely: its output directory is in use, or a collective timed out or lost a peer."""
+
+
+class CheckpointError(PairDPOError):
+    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data)."""
+
+
 _REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"
 _PIN = "`pair-dpo pin DIR` (a directory you saved yourself, e.g. after SFT)"
 

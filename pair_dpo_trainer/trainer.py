@@ -16,6 +16,7 @@ before any checkpoint state is restored; precomputed and freed) is owned by
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
@@ -47,6 +48,7 @@ from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupport
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
+from pair_dpo_trainer.runtime import RunGuard
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.summary import run_summary
@@ -125,6 +127,7 @@ class PairDPOTrainer(Trainer):
             mixed_precision=str(self.accelerator.mixed_precision),
             fsdp_plugin=self.fsdp_plugin,
         )
+        self.run_guard = RunGuard(args)  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
@@ -169,25 +172,28 @@ class PairDPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """``Trainer.train``, after the reference is ready: built (DeepSpeed: its own engine) or precomputed, and on
-        resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
-        if resume_from_checkpoint:
-            self.objective_runtime.resume(resume_from_checkpoint)
-        self._compile_layers()
-        if self.is_world_process_zero():
-            summary = run_summary(
-                self.args,
-                attn_backend=self.attn_backend,
-                source=self.reference_source,
-                zero3_leaf_classes=self.zero3_leaf_classes,
-                fsdp2=self.fsdp_plugin is not None,
-            )
-            print(summary, flush=True)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored.
+
+        ``resume_from_checkpoint``: a checkpoint directory, or ``True`` / ``"latest"`` (the newest complete checkpoint
+        of ``output_dir``) or ``"auto"`` (the same, or a fresh start when there is none). The run holds the lock of
+        ``output_dir``, and a SIGTERM saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
+        :mod:`pair_dpo_trainer.runtime`.
+        """
+        with self.run_guard.session(self, resume_from_checkpoint) as resume_from_checkpoint:
+            self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
+            if resume_from_checkpoint:
+                self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
+            self._compile_layers()
+            if self.is_world_process_zero():
+                summary = run_summary(
+                    self.args,
+                    attn_backend=self.attn_backend,
+                    source=self.reference_source,
+                    zero3_leaf_classes=self.zero3_leaf_classes,
+                    fsdp2=self.fsdp_plugin is not None,
+                )
+                print(summary, flush=True)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
         """``Trainer.evaluate`` after the reference is ready (a lazy or precomputed reference is prepared first)."""
@@ -248,14 +254,21 @@ class PairDPOTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Saves the checkpoint, then writes the reference identity (and a TR-DPO synced reference) and the
-        objective's state beside it (atomically). ``num_tokens`` is folded into the state first."""
+        """The Trainer's save, made atomic with the reference identity inside (``runtime/checkpoint.py``); the TR-DPO
+        synced reference and the objective's state are written into the staged directory with the Trainer's files.
+        ``num_tokens`` is folded into the state first (it is in ``trainer_state.json``)."""
         self._metrics["train"].fold_tokens(self.args.device, self.state)
-        super()._save_checkpoint(model, trial)
-        folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        self.reference_manager.write_checkpoint(str(folder), write=self.args.should_save)
-        if self.args.should_save:
-            self.objective_runtime.save(folder)
+        identity = self.reference_manager.checkpoint_identity()  # every rank: re-identified after a TR-DPO sync
+        save = functools.partial(super()._save_checkpoint, model, trial)
+
+        def write() -> None:
+            save()
+            if self.args.should_save:  # inside the save, _get_output_dir points at the staging directory
+                folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                self.reference_manager.write_synced_weights(folder)
+                self.objective_runtime.save(folder)
+
+        self.run_guard.save_checkpoint(self, trial, write, identity=identity)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -264,7 +277,9 @@ class PairDPOTrainer(Trainer):
         With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
         step, see ``accumulation``)."""
         sampler = train_sampler(self._costs(self.train_dataset), self.args)
-        assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
+        fingerprint = sampler.schedule_fingerprint(0)
+        assert_ranks_agree("train schedule", fingerprint)
+        self.run_guard.check_schedule(fingerprint)  # resume_data_mismatch; recorded in every checkpoint
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
         if isinstance(sampler, PairStepSampler):

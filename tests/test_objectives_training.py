@@ -180,15 +180,24 @@ def test_stateful_objectives_resume_exactly(tmp_path, options):
 
 
 def test_bco_resume_without_its_state_is_refused(tmp_path):
+    """A complete checkpoint of another objective has no BCO state (objective_state_missing); a BCO checkpoint
+    without its state file is not complete (the checkpoint manifest lists it: checkpoint_incomplete)."""
     pairs = synthetic_pairs(32, seed=2)
-    first = _trainer(tmp_path, pairs, loss_type="bco_pair", max_steps=2, save_strategy="steps", save_steps=2)
+    other = _trainer(tmp_path / "a", pairs, loss_type="sigmoid", max_steps=2, save_strategy="steps", save_steps=2)
+    other.train()
+    resumed = _trainer(tmp_path / "a", pairs, loss_type="bco_pair", max_steps=3, save_strategy="no")
+    with pytest.raises(PairDPOError) as info:
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    assert info.value.reason_code == "objective_state_missing" and "loss_type" in str(info.value)
+
+    first = _trainer(tmp_path / "b", pairs, loss_type="bco_pair", max_steps=2, save_strategy="steps", save_steps=2)
     first.train()
-    checkpoint = tmp_path / "out" / "checkpoint-2"
+    checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
     (checkpoint / OBJECTIVE_STATE_FILENAME).unlink()
-    resumed = _trainer(tmp_path, pairs, loss_type="bco_pair", max_steps=3, save_strategy="no")
+    resumed = _trainer(tmp_path / "b", pairs, loss_type="bco_pair", max_steps=3, save_strategy="no")
     with pytest.raises(PairDPOError) as info:
         resumed.train(resume_from_checkpoint=str(checkpoint))
-    assert info.value.reason_code == "objective_state_missing"
+    assert info.value.reason_code == "checkpoint_incomplete"
 
 
 # ---------------------------------------------------------------- TR-DPO

@@ -9,7 +9,8 @@ Timeline of a run (:class:`ReferenceManager`):
   lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,
   and for ``precompute_ref_log_probs`` runs the reference pass (or reads the cache) and frees the reference.
 - TR-DPO (``sync_ref_model``): :meth:`ReferenceManager.sync_with` mixes the policy into the reference at a step
-  boundary; :meth:`ReferenceManager.write_checkpoint` records the synced identity and weights beside a checkpoint,
+  boundary; :meth:`ReferenceManager.checkpoint_identity` / :meth:`ReferenceManager.write_synced_weights` record the
+  synced identity and weights in a checkpoint,
   and a resume loads those weights before the identity check (``reference/sync.py``).
 
 Why there and not in a Trainer hook after ``deepspeed_init``: ``PairDPOTrainer.train`` runs before the Trainer
@@ -26,12 +27,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity, write_identity
+from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
 from pair_dpo_trainer.reference.build import build_reference
 from pair_dpo_trainer.reference.engine import gathered_named_parameters, reference_zero_stage
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
@@ -213,22 +215,20 @@ class ReferenceManager:
         )
         self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
 
-    def write_checkpoint(self, checkpoint_dir: str, *, write: bool) -> None:
-        """Writes the reference identity (and, after a TR-DPO sync, the synced weights) into a checkpoint.
-
-        Call on every rank (a synced reference is re-identified: a probe forward); only ``write`` ranks write.
-        """
-        if self._identity is None:
-            return
-        if self._synced_step is not None:
+    def checkpoint_identity(self) -> ReferenceIdentity | None:
+        """The identity a checkpoint records now: after a TR-DPO sync the reference is re-identified (its synced
+        weights' digests and ``synced_step``). Call on every rank (a probe forward)."""
+        if self._identity is not None and self._synced_step is not None:
             self._identify()
-        if not write:
-            return
-        write_identity(checkpoint_dir, self._identity)
-        if self._synced_step is not None:
-            from pair_dpo_trainer.reference.sync import save_synced_reference
+        return self._identity
 
-            save_synced_reference(checkpoint_dir, self._synced_model())
+    def write_synced_weights(self, checkpoint_dir: str | Path) -> None:
+        """After a TR-DPO sync, writes the synced reference's weights into the (staged) checkpoint; else nothing."""
+        if self._synced_step is None:
+            return
+        from pair_dpo_trainer.reference.sync import save_synced_reference
+
+        save_synced_reference(checkpoint_dir, self._synced_model())
 
     def _restore_synced(self, checkpoint_dir: str) -> None:
         """With ``sync_ref_model``, loads a checkpoint's synced reference weights (when it recorded a sync) and
