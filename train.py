@@ -24,6 +24,7 @@ from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pair
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.options import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.plotting import CURVES_FILENAME, plot_training_curves
+from pair_dpo_trainer.runtime.collectives import end_process_group
 
 # The bundled demo run: these apply only when neither --model_name_or_path nor --dataset is given (any option given
 # overrides them). A real run gets PairDPOConfig's own defaults (docs/guide.md, "Defaults that differ from
@@ -178,3 +179,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # every rank together; a gloo group alive at interpreter exit can abort the process

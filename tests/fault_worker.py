@@ -170,7 +170,7 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
         options["deepspeed"] = spec["deepspeed"]
     if spec.get("gpu") and torch.cuda.is_available():  # scripts/gpu/nccl_faults.py: NCCL, one GPU per rank
         options.update(use_cpu=False, attn_backend="sdpa_segments")
-    if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: every process is a world-size-1 job of its own
+    if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: launch.resolve_use_cpu still forms one job
         options["use_cpu"] = spec["use_cpu"]
     pairs = synthetic_pairs(spec.get("num_pairs", 64), seed=spec.get("data_seed", 0))
     trainer = PairDPOTrainer(

@@ -152,15 +152,19 @@ def test_every_rank_refuses_when_the_main_process_finds_the_output_dir_in_use(tm
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_processes_that_do_not_form_one_job_are_caught_by_the_lock(tmp_path):
-    """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine: the Trainer treats each process as the
-    main process of a world-size-1 job (issue 14 item 2), so both write one output_dir: one is refused the lock, and
-    since they share a process group both learn it and stop before any step."""
+def test_ranks_launched_without_use_cpu_on_a_cpu_machine_form_one_job_and_one_checkpoint(tmp_path):
+    """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine (torchrun without ``--use_cpu``): the
+    Trainer alone would make each process the main process of its own world-size-1 job, both writing one output_dir
+    (issue 14 item 2). ``launch.resolve_use_cpu`` joins them into one gloo job: both ranks train the same steps and
+    each checkpoint holds both ranks' RNG states."""
     spec = run_spec(tmp_path, "run", max_steps=4, use_cpu=False)
     codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
-    assert codes == [1, 1], logs(tmp_path / "run")
-    assert {outcome(spec, rank)["reason_code"] for rank in (0, 1)} == {"output_dir_in_use"}
-    assert list_checkpoints(spec["out"]) == []
+    assert codes == [0, 0], logs(tmp_path / "run")
+    assert "world_size=2" in (tmp_path / "run" / "rank0.log").read_text()
+    assert [step for step, _ in list_checkpoints(spec["out"])] == [2, 4]
+    for _, checkpoint in list_checkpoints(spec["out"]):
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])
+    assert outcome(spec, 0)["global_step"] == outcome(spec, 1)["global_step"] == 4
 
 
 # ---------------------------------------------------------------------------------------------- stalled / dead rank

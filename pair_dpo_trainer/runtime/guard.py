@@ -36,6 +36,7 @@ from pair_dpo_trainer.runtime.collectives import (
     apply_collective_timeout,
     check_nccl_error_handling,
     collective_failure,
+    end_process_group,
 )
 from pair_dpo_trainer.runtime.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.runtime.preemption import PreemptionHandler, TrainingPreempted
@@ -158,6 +159,7 @@ class RunGuard:
         preempted = TrainingPreempted(handler.stop_step, str(self._checkpoint_dir(trainer)))
         if self._is_main:
             logger.warning(preempted.message)
+        end_process_group()  # the process exits with 75 next; a live gloo group can turn that into an abort
         raise preempted
 
     @staticmethod
