@@ -288,3 +288,42 @@ def test_nll_terms_use_the_plain_sums_when_ld_alpha_weights_the_log_probs():
     unweighted = PairLogps(plain, *tensors[1:], nc, nr)
     sft = LOSS_FUNCTIONS["sft"]
     torch.testing.assert_close(sft(weighted, LossParams()), sft(unweighted, LossParams()))
+
+
+_SYNC_METHODS = ("item", "cpu", "tolist", "nonzero", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@pytest.mark.parametrize("loss_type", sorted(LOSS_FUNCTIONS))
+def test_objective_and_metrics_of_a_micro_batch_make_no_host_sync(loss_type, monkeypatch):
+    """The loss half of the hot path (objective with WPO, BCO's pending sums, the eval step context, the metric
+    sums) calls nothing that waits for the device; the log-prob half is tests/test_logprobs.py's."""
+    from pair_dpo_trainer.losses.state import RunningRewardMean
+    from pair_dpo_trainer.losses.step import StepContextBuilder
+    from pair_dpo_trainer.metrics import PairMetrics
+
+    tensors, nc, nr = _inputs(6, seed=12)
+    gen = torch.Generator().manual_seed(2)
+    wpo = [-torch.rand(6, generator=gen, dtype=torch.float64) * n for n in (nc, nr)]
+    logps = PairLogps(
+        *tensors, nc, nr, policy_chosen_nll_logps=tensors[0] - 1.0, chosen_wpo_logps=wpo[0], rejected_wpo_logps=wpo[1]
+    )
+    eps = 1e-3 if OBJECTIVES[loss_type].label_smoothing != "none" else 0.0
+    weighting = not OBJECTIVES[loss_type].sorts_step  # WPO is refused for AOT (config)
+    objective = Objective([loss_type, "sft"], [1.0, 0.5], LossParams(label_smoothing=eps), use_weighting=weighting)
+    state = RunningRewardMean(torch.device("cpu"))
+    contexts = StepContextBuilder(objective, state)
+    metrics = PairMetrics(objective.names)
+    token_stats = torch.rand(12, 4, generator=gen, dtype=torch.float64)
+
+    def forbidden(*_args, **_kwargs):
+        raise AssertionError("host sync in the objective / metrics hot path")
+
+    for name in _SYNC_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, forbidden)
+    output = objective(logps, contexts.for_microbatch(logps, torch.ones(6, dtype=torch.float64)))
+    state.observe(logps, 0.1)
+    metrics.update(logps, output.losses, 0.1, num_tokens=123, components=output.components, token_stats=token_stats)
+    output.losses.sum().backward()
+    monkeypatch.undo()
+    assert output.losses.shape == (6,) and bool(torch.isfinite(output.losses).all())
+    assert metrics.reduce(torch.device("cpu"))["loss"] == pytest.approx(float(output.losses.mean()), rel=1e-12)
