@@ -40,7 +40,13 @@ from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallba
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
+from pair_dpo_trainer.modeling.fsdp2 import (
+    check_evaluable,
+    check_fsdp_version,
+    find_fsdp2_plugin,
+    full_state_dict,
+    setup_fsdp2,
+)
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
@@ -48,6 +54,7 @@ from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupport
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
+from pair_dpo_trainer.run_checks import RunSetup, raise_problems, run_problems
 from pair_dpo_trainer.runtime import RunGuard
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
@@ -101,6 +108,7 @@ class PairDPOTrainer(Trainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
+        self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         super().__init__(
             model=model,
             args=args,
@@ -142,8 +150,21 @@ class PairDPOTrainer(Trainer):
         drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
         check_fsdp_version(self.args)
         super().create_accelerator_and_postprocess()
+        raise_problems(run_problems(self.args, self._run_setup()))  # the one runtime check: every problem at once
         self.fsdp_plugin = setup_fsdp2(self.accelerator, self.args)
         self.is_fsdp_enabled = self.fsdp_plugin is not None
+
+    def _run_setup(self) -> RunSetup:
+        """What the runtime checks read besides the config (``run_checks``), right after the Accelerator exists."""
+        ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return RunSetup(
+            deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
+            fsdp_plugin=find_fsdp2_plugin(self.accelerator, self.args),
+            process_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            attn_backend=self.attn_backend,
+            zero3=ds_plugin is not None and ds_plugin.zero_stage == 3,
+            **self._given,
+        )
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
@@ -207,20 +228,8 @@ class PairDPOTrainer(Trainer):
     # ------------------------------------------------------------------ torch.compile
     def _take_over_compile(self) -> None:
         """``torch_compile=True`` compiles the decoder layers in place (see ``modeling.compile``), not the whole
-        model: accelerate's whole-model compile is switched off here, so it is never applied as well."""
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ConfigError(
-                "unsupported_combination",
-                "torch_compile=True is not supported with DeepSpeed ZeRO-3 (its per-module parameter hooks cannot be "
-                "traced inside a compiled layer): set torch_compile=False, or use a single GPU, DDP or ZeRO-1/2.",
-            )
-        if self.attn_backend == "sdpa_segments":
-            raise ConfigError(
-                "unsupported_combination",
-                "torch_compile=True needs a varlen attention kernel (attn_backend 'torch_varlen' or 'flash_attn': a "
-                "CUDA device with bf16/fp16); 'sdpa_segments' reads the segment bounds on the host, which splits every "
-                "compiled layer into pieces that recompile as the packed rows change: set torch_compile=False here.",
-            )
+        model: accelerate's whole-model compile is switched off here, so it is never applied as well (ZeRO-3 and the
+        SDPA kernel are refused by ``run_checks.compile_problems``)."""
         from accelerate.utils import DynamoBackend
 
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO

@@ -89,33 +89,33 @@ def _fsdp1_problem(version: Any) -> tuple[str, str]:
     )
 
 
-def setup_fsdp2(accelerator: Any, args: Any) -> Any:
-    """The trainer's entry point, right after the Accelerator exists: returns the run's FSDP2 plugin, or None.
-
-    Installs the plugin in Accelerate's state when Accelerate dropped it (CPU processes), clears its output cast
-    (module docstring) and refuses what is not supported.
-
-    Args:
-        accelerator: The Trainer's ``Accelerator``.
-        args: The run's ``PairDPOConfig``.
-
-    Raises:
-        ConfigError: ``fsdp1_unsupported`` for ``fsdp_version`` 1; ``unsupported_combination`` (see the module
-            docstring).
-    """
+def find_fsdp2_plugin(accelerator: Any, args: Any) -> Any:
+    """The run's FSDP plugin (Accelerate's, else the one ``args`` asks for where Accelerate dropped it: CPU
+    processes), or None without FSDP; not yet checked (``fsdp2_problems``) nor installed (:func:`setup_fsdp2`)."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
     plugin = getattr(state, "fsdp_plugin", None) if state.distributed_type == DistributedType.FSDP else None
-    if plugin is None:
-        plugin = requested_fsdp_plugin(args)
+    return plugin if plugin is not None else requested_fsdp_plugin(args)
+
+
+def setup_fsdp2(accelerator: Any, args: Any) -> Any:
+    """The trainer's entry point, right after the Accelerator exists: returns the run's FSDP2 plugin, or None.
+
+    Installs the plugin in Accelerate's state when Accelerate dropped it (CPU processes) and clears its output cast
+    (module docstring). What is not supported (:func:`fsdp2_problems`, no process group) is refused before, by the
+    trainer's one runtime check (``run_checks.run_problems``).
+
+    Args:
+        accelerator: The Trainer's ``Accelerator``.
+        args: The run's ``PairDPOConfig``.
+    """
+    from accelerate.utils import DistributedType
+
+    plugin = find_fsdp2_plugin(accelerator, args)
     if plugin is None:
         return None
-    for problem in fsdp2_problems(plugin, args):
-        raise ConfigError(*problem)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError("unsupported_combination", "FSDP2 needs a process group: launch with accelerate or torchrun.")
-    if state.distributed_type != DistributedType.FSDP:
+    if accelerator.state.distributed_type != DistributedType.FSDP:
         _install(accelerator, plugin)
     policy = plugin.mixed_precision_policy
     if getattr(policy, "output_dtype", None) is not None:

@@ -113,23 +113,9 @@ def zero3_leaf_setup(model: torch.nn.Module, value: str, *, zero3: bool, peft: b
         The flagged class names (``()`` when nothing is flagged).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for class names without ZeRO-3 (they would change nothing) or with
-            a PEFT policy (see above); the errors of :func:`mark_zero3_leaf_modules`.
+        ConfigError: the errors of :func:`mark_zero3_leaf_modules`. Class names without ZeRO-3 (they would change
+            nothing) or with a PEFT policy (see above) are refused before, by ``run_checks.zero3_leaf_problems``.
     """
-    named = value not in (LEAF_AUTO, LEAF_NONE)
-    if named and not zero3:
-        raise ConfigError(
-            "unsupported_combination",
-            f"zero3_leaf_modules={value!r} names DeepSpeed ZeRO-3 leaf modules, but this run does not use ZeRO-3: "
-            "launch with a ZeRO-3 DeepSpeed config, or leave zero3_leaf_modules at 'auto'.",
-        )
-    if named and peft:
-        raise ConfigError(
-            "unsupported_combination",
-            f"zero3_leaf_modules={value!r} with a PEFT (LoRA) policy: DeepSpeed reduces a leaf module's gradients "
-            "before LoRA weight gradients are accumulated, which fails in backward. Leave zero3_leaf_modules at "
-            "'auto' (no leaves for a PEFT policy) or set 'none'.",
-        )
     if not zero3 or peft:
         return ()
     return mark_zero3_leaf_modules(model, value)

@@ -35,7 +35,7 @@ import torch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
 from pair_dpo_trainer.reference.build import build_reference
-from pair_dpo_trainer.reference.engine import gathered_named_parameters, reference_zero_stage
+from pair_dpo_trainer.reference.engine import gathered_named_parameters
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
 from pair_dpo_trainer.reference.precompute import (
     CacheEntry,
@@ -69,12 +69,7 @@ class ReferenceManager:
     Attributes:
         builds: How many times a reference model was built (0 after a precompute cache hit).
 
-    Raises:
-        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without DeepSpeed or FSDP2, a
-            ``ref_zero_stage`` without DeepSpeed, a ``ref_fsdp_shard`` without FSDP2 (and the other FSDP2
-            combinations of :func:`~pair_dpo_trainer.reference.fsdp.fsdp_reference_problems`), and the DeepSpeed
-            combinations :func:`~pair_dpo_trainer.reference.engine.reference_zero_stage`
-            refuses (``ref_zero_stage=3`` without ZeRO-3, ``ref_offload_params=True`` with a replicated reference).
+    The option combinations are checked before (``run_checks.run_problems``, the trainer's one runtime check).
     """
 
     def __init__(
@@ -88,30 +83,6 @@ class ReferenceManager:
         mixed_precision: str = "no",
         fsdp_plugin: Any = None,
     ) -> None:
-        if args.ref_offload_params and deepspeed_config is None and fsdp_plugin is None:
-            raise ConfigError(
-                "unsupported_combination",
-                "ref_offload_params=True offloads the parameters of a sharded reference (DeepSpeed ZeRO-3 or FSDP2), "
-                "but this run uses neither: launch with a ZeRO-3 or FSDP2 config, or leave ref_offload_params unset.",
-            )
-        self._check_fsdp(args, policy, ref_model, fsdp_plugin)
-        if args.ref_zero_stage is not None and deepspeed_config is None:
-            raise ConfigError(
-                "unsupported_combination",
-                f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
-                "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
-            )
-        if deepspeed_config is not None and args.uses_reference:  # fail now, not when the engine is built
-            reference_zero_stage(
-                deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
-            )
-        if args.sync_ref_model and (deepspeed_config is not None or fsdp_plugin is not None):
-            raise ConfigError(
-                "unsupported_combination",
-                "sync_ref_model=True (TR-DPO) mixes whole policy weights into an in-process reference; under DeepSpeed "
-                "the reference is its own engine and under FSDP2 both are sharded: train without DeepSpeed / FSDP2 "
-                "(single process or DDP), or set sync_ref_model=False.",
-            )
         self.args = args
         self.source = source
         self.builds = 0
@@ -248,18 +219,6 @@ class ReferenceManager:
         self._identify()
 
     # ------------------------------------------------------------------ building
-    @staticmethod
-    def _check_fsdp(args: Any, policy: torch.nn.Module, ref_model: Any, fsdp_plugin: Any) -> None:
-        """Refuses reference options that do not fit the run's FSDP2 setting (``reference.fsdp``)."""
-        from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
-        from pair_dpo_trainer.reference.peft import is_peft_model
-
-        peft_reference = (
-            args.uses_reference and ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy)
-        )
-        for problem in fsdp_reference_problems(args, fsdp=fsdp_plugin is not None, peft_reference=peft_reference):
-            raise ConfigError(*problem)
-
     def _build(self) -> None:
         """Builds the reference backend and, for a non-free reference, its identity (collective under ZeRO-3)."""
         self._backend = build_reference(
