@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.accumulation import run_step
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator, split_pairs
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset
@@ -51,6 +51,7 @@ from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
 from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
+from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
@@ -104,9 +105,9 @@ class PairDPOTrainer(Trainer):
                 f"PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass), got "
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
-        model, policy_source, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
+        model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         super().__init__(
@@ -182,9 +183,9 @@ class PairDPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ reference
     @property
-    def reference(self) -> Any:
-        """The reference backend (``sequence_logps``), see :mod:`pair_dpo_trainer.reference.manager`."""
-        return self.reference_manager.backend
+    def reference(self) -> Reference:
+        """The reference (``sequence_logps``), see :mod:`pair_dpo_trainer.reference.manager`."""
+        return self.reference_manager.reference
 
     @property
     def reference_identity(self) -> Any:
@@ -241,9 +242,9 @@ class PairDPOTrainer(Trainer):
             return
         options = {"backend": self.args.torch_compile_backend or "inductor", "mode": self.args.torch_compile_mode}
         compile_decoder_layers(self.model, **options)
-        reference_model = getattr(self.reference_manager.backend_if_built, "model", None)
-        if isinstance(reference_model, torch.nn.Module):
-            compile_decoder_layers(reference_model, **options)
+        reference = self.reference_manager.reference_if_built
+        if reference is not None and reference.model is not None:
+            compile_decoder_layers(reference.model, **options)
 
     def _reference_datasets(self) -> dict[str, Any]:
         """The datasets a precomputed reference covers: the train set and every eval set."""
@@ -444,28 +445,29 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
     """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
 
     Returns:
-        ``(policy, policy_source, reference_source)``: ``policy_source`` is the directory the policy was loaded
+        ``(policy, policy_dir, reference_source)``: ``policy_dir`` is the directory the policy was loaded
         from (None when passed in memory).
     """
-    policy_source = str(model) if isinstance(model, (str, Path)) else None
-    if policy_source is not None:  # named as the policy, before the reference (by default this path) is looked at
-        require_model_directory(policy_source, role="policy", option="model", code="model_not_found")
+    policy_dir = str(model) if isinstance(model, (str, Path)) else None
+    if policy_dir is not None:  # named as the policy, before the reference (by default this path) is looked at
+        require_model_directory(policy_dir, role="policy", option="model", code="model_not_found")
     reference_source = resolve_reference_source(
         args,
-        policy_source=policy_source,
+        policy_dir=policy_dir,
         policy_name_or_path=getattr(model, "name_or_path", None),
         ref_model_given=ref_model_given,
     )
-    if policy_source is not None:
+    if policy_dir is not None:
         ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-        model = AutoModelForCausalLM.from_pretrained(policy_source)
-    return model, policy_source, reference_source
+        model = AutoModelForCausalLM.from_pretrained(policy_dir)
+    return model, policy_dir, reference_source
 
 
 def pair_logps_from_sequences(
     policy: SequenceLogps | torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
 ) -> PairLogps:
-    """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`.
+    """Splits per-sequence ``[2n]`` log-probs into :class:`PairLogps` (the collators' layout:
+    :func:`~pair_dpo_trainer.collators.packed.split_pairs`).
 
     ``policy`` is the policy pass (:class:`~pair_dpo_trainer.logprobs.SequenceLogps`: LD-weighted and plain sums,
     per-token statistics) or a plain ``[2n]`` tensor.
@@ -474,17 +476,19 @@ def pair_logps_from_sequences(
         policy = SequenceLogps(logps=policy, nll_logps=policy)
     counts = completion_token_counts(batch)
     logps, stats = policy.logps, policy.token_stats
-    wpo = stats[:, 3] if stats is not None else None
+    chosen_wpo, rejected_wpo = split_pairs(stats[:, 3]) if stats is not None else (None, None)
+    (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = split_pairs(logps), split_pairs(ref_logps)
+    chosen_counts, rejected_counts = split_pairs(counts)
     return PairLogps(
-        policy_chosen_logps=logps[0::2],
-        policy_rejected_logps=logps[1::2],
-        ref_chosen_logps=ref_logps[0::2],
-        ref_rejected_logps=ref_logps[1::2],
-        chosen_token_counts=counts[0::2],
-        rejected_token_counts=counts[1::2],
-        policy_chosen_nll_logps=None if policy.nll_logps is logps else policy.nll_logps[0::2],
-        chosen_wpo_logps=None if wpo is None else wpo[0::2],
-        rejected_wpo_logps=None if wpo is None else wpo[1::2],
+        policy_chosen_logps=policy_chosen,
+        policy_rejected_logps=policy_rejected,
+        ref_chosen_logps=ref_chosen,
+        ref_rejected_logps=ref_rejected,
+        chosen_token_counts=chosen_counts,
+        rejected_token_counts=rejected_counts,
+        policy_chosen_nll_logps=None if policy.nll_logps is logps else split_pairs(policy.nll_logps)[0],
+        chosen_wpo_logps=chosen_wpo,
+        rejected_wpo_logps=rejected_wpo,
     )
 
 

@@ -83,7 +83,7 @@ def test_trainer_with_lora_policy_shares_weights_starts_at_ln2_and_trains_only_l
 
     reference = trainer.reference
     assert isinstance(reference, AdapterDisabledReference)
-    assert not hasattr(reference, "model") and reference.policy is trainer.model
+    assert reference.model is None and reference.policy is trainer.model  # no model of its own: no copy
     policy_tensors = {p.data_ptr() for p in trainer.model.parameters()}
     assert all(p.data_ptr() in policy_tensors for _, p in reference.identity_parameters())
     assert not any("lora_" in name for name, _ in reference.identity_parameters())

@@ -239,9 +239,11 @@ class DeepSpeedReference:
         leaf_modules: ``PairDPOConfig.zero3_leaf_modules``, applied to a stage 3 engine (see ``modeling.zero3``).
     """
 
+    probe = True
+
     def __init__(self, engine: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        self.engine = engine
-        self.model = engine.module
+        self.engine: Any = engine
+        self.model: torch.nn.Module | None = engine.module
         self.chunk_size = chunk_size
 
     @property
@@ -256,6 +258,8 @@ class DeepSpeedReference:
 
     def identity_parameters(self) -> Iterator[tuple[str, torch.Tensor | Callable[[], Any]]]:
         """The parameters of the identity's digest, gathered one at a time under ZeRO-3 (see the module docstring)."""
+        if self.model is None:
+            raise RuntimeError("the reference engine was released after the precompute pass")
         return gathered_named_parameters(self.model)
 
     def release(self) -> None:

@@ -34,6 +34,7 @@ import torch
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
+from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.build import build_reference
 from pair_dpo_trainer.reference.engine import gathered_named_parameters
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 
 class ReferenceManager:
-    """Owns the run's reference backend and identity.
+    """Owns the run's reference and identity.
 
     Args:
         args: The run's ``PairDPOConfig``.
@@ -92,7 +93,7 @@ class ReferenceManager:
         self._fsdp_plugin = fsdp_plugin
         self._precision = _precision(policy, deepspeed_config, mixed_precision, fsdp_plugin)
         self._checked: str | None = None
-        self._backend: Any = None
+        self._reference: Reference | None = None
         self._identity: ReferenceIdentity | None = None
         self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
         self._key_reference: dict[str, Any] | None = None
@@ -104,26 +105,26 @@ class ReferenceManager:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
 
     @property
-    def backend(self) -> Any:
-        """The reference backend (``sequence_logps``); builds a lazy reference now if needed (a collective).
+    def reference(self) -> Reference:
+        """The reference (``sequence_logps``); builds a lazy reference now if needed (a collective).
 
         Raises:
             ConfigError: ``ref_logps_missing`` for a precomputed run before ``train()`` / ``evaluate()``.
         """
-        if self._backend is None and not self.args.precompute_ref_log_probs:
+        if self._reference is None and not self.args.precompute_ref_log_probs:
             self._build()
-        if self._backend is None:
+        if self._reference is None:
             raise ConfigError(
                 "ref_logps_missing",
                 "precompute_ref_log_probs=True: the reference log-probs are computed by train() or evaluate(); call "
                 "one of them before running the reference.",
             )
-        return self._backend
+        return self._reference
 
     @property
-    def backend_if_built(self) -> Any:
-        """The reference backend if it exists now (never builds one), else None."""
-        return self._backend
+    def reference_if_built(self) -> Reference | None:
+        """The reference if it exists now (never builds one), else None."""
+        return self._reference
 
     @property
     def identity(self) -> ReferenceIdentity | None:
@@ -147,7 +148,7 @@ class ReferenceManager:
             return
         if self.args.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
-        elif self._backend is None:
+        elif self._reference is None:
             self._build()
         if resume_from_checkpoint and self._checked != resume_from_checkpoint:
             self._restore_synced(resume_from_checkpoint)
@@ -170,19 +171,19 @@ class ReferenceManager:
         self._synced_step = int(step)
 
     def _synced_model(self) -> torch.nn.Module:
-        model = getattr(self.backend, "model", None)
-        if not isinstance(model, torch.nn.Module):
+        model = self.reference.model
+        if model is None:
             raise ConfigError(
                 "unsupported_combination",
                 f"sync_ref_model=True needs an in-process reference model; this run's reference is "
-                f"{type(self.backend).__name__}: set sync_ref_model=False.",
+                f"{type(self.reference).__name__}: set sync_ref_model=False.",
             )
         return model
 
     def _identify(self) -> None:
         """(Re)computes the identity of the built reference, recording the TR-DPO sync step."""
         identity = compute_identity(
-            self.source, self._backend, vocab_size=self._policy.config.vocab_size, device=self.args.device
+            self.source, self._reference, vocab_size=self._policy.config.vocab_size, device=self.args.device
         )
         self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
 
@@ -220,8 +221,8 @@ class ReferenceManager:
 
     # ------------------------------------------------------------------ building
     def _build(self) -> None:
-        """Builds the reference backend and, for a non-free reference, its identity (collective under ZeRO-3)."""
-        self._backend = build_reference(
+        """Builds the reference and, for a non-free reference, its identity (collective under ZeRO-3)."""
+        self._reference = build_reference(
             self.args,
             self._policy,
             source=self.source,
@@ -240,10 +241,9 @@ class ReferenceManager:
 
     def _release(self) -> None:
         """Frees the built reference after a precompute pass; from now on batches carry the log-probs."""
-        release = getattr(self._backend, "release", None)
-        if callable(release):
-            release()
-        self._backend = PrecomputedReference()
+        if self._reference is not None:
+            self._reference.release()
+        self._reference = PrecomputedReference()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -285,17 +285,17 @@ class ReferenceManager:
                 logger.info("reference log-probs of %s: cache hit %s", name, path[name])
                 self._remember(ds, entries[name])
                 continue
-            if self._backend is None or isinstance(self._backend, PrecomputedReference):
+            if self._reference is None or isinstance(self._reference, PrecomputedReference):
                 self._build()
                 if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
                     check_resume_identity(resume_from_checkpoint, self._identity)
                     self._checked = resume_from_checkpoint
-            logps = compute_ref_logps(self._backend, ds, args=self.args, desc=name)
+            logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name)
             entry = CacheEntry(logps=logps, identity=self._identity.to_dict())
             if self.args.should_save:
                 write_cache(path[name], keys[name], entry)
             self._remember(ds, entry)
-        if not isinstance(self._backend, PrecomputedReference):
+        if not isinstance(self._reference, PrecomputedReference):
             self._release()
 
     def _key(self, dataset: Any) -> dict[str, Any]:

@@ -35,7 +35,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from pair_dpo_trainer.atomic import atomic_open
-from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator, pair_rows
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_costs
 from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
@@ -50,6 +50,16 @@ CACHE_PREFIX = "ref_logps-"
 
 class PrecomputedReference:
     """The reference after a precompute pass: the batch's own ``ref_logps`` (no model)."""
+
+    model: torch.nn.Module | None = None
+    probe = True
+
+    def identity_parameters(self) -> None:
+        """None: no weights (the identity was recorded with the cache entry)."""
+        return None
+
+    def release(self) -> None:
+        return None
 
     def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
         """``batch.ref_logps`` ``[2n]`` float32.
@@ -201,7 +211,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
     group before the first forward, so a rank with another dataset fails fast instead of hanging in ZeRO-3).
 
     Args:
-        reference: A built reference backend (``sequence_logps``).
+        reference: A built reference (``sequence_logps``).
         dataset: Tokenised pairs.
         args: The run's ``PairDPOConfig`` (layout, device, dataloader settings, ``disable_tqdm``).
         desc: Name of the dataset for the progress bar and messages.
@@ -227,7 +237,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
         logps = reference.sequence_logps(batch).detach().float()
         kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
         indices.extend(keys[j][0] for j in kept)
-        values.append(logps.view(-1, 2)[kept])
+        values.append(pair_rows(logps)[kept])
     mine = (torch.tensor(indices, dtype=torch.int64), torch.cat(values).cpu() if values else torch.zeros(0, 2))
     result = torch.full((len(dataset), 2), float("nan"), dtype=torch.float32)
     seen = torch.zeros(len(dataset), dtype=torch.int64)

@@ -45,13 +45,13 @@ class ReferenceSource:
 
 
 def resolve_reference_source(
-    args: Any, *, policy_source: str | None, policy_name_or_path: str | None, ref_model_given: bool
+    args: Any, *, policy_dir: str | None, policy_name_or_path: str | None, ref_model_given: bool
 ) -> ReferenceSource | None:
     """Decides, and for a pinned revision verifies, where the reference comes from. None when reference-free.
 
     Args:
         args: The run's ``PairDPOConfig``.
-        policy_source: Directory the trainer will load the policy from (the ``model`` argument was a path).
+        policy_dir: Directory the trainer will load the policy from (the ``model`` argument was a path).
         policy_name_or_path: ``model.name_or_path`` of an in-memory policy (a local directory or a hub name).
         ref_model_given: The user passed an explicit ``ref_model`` object.
 
@@ -65,7 +65,7 @@ def resolve_reference_source(
     if not args.uses_reference:  # reference_free=True, or only reference-free objectives
         return None
     if args.ref_model_revision is None:
-        return _unpinned(args, policy_source, ref_model_given)
+        return _unpinned(args, policy_dir, ref_model_given)
     if ref_model_given:
         raise ConfigError(
             "unsupported_combination",
@@ -73,7 +73,7 @@ def resolve_reference_source(
             "ref_model_name_or_path instead of the object, or drop ref_model_revision and set "
             "allow_unpinned_reference=True.",
         )
-    directory = args.ref_model_name_or_path or policy_source or policy_name_or_path
+    directory = args.ref_model_name_or_path or policy_dir or policy_name_or_path
     if directory is None or not os.path.isdir(directory):
         raise ConfigError(
             "reference_not_local",
@@ -91,7 +91,7 @@ def resolve_reference_source(
     return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id)
 
 
-def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> ReferenceSource:
+def _unpinned(args: Any, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
     if not args.allow_unpinned_reference:
         raise ConfigError(
             "reference_not_pinned",
@@ -104,7 +104,7 @@ def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> Re
         "allow_unpinned_reference=True: the reference is not verified against a pinned revision; its identity is "
         "recorded with pinned=false."
     )
-    directory = None if ref_model_given else (args.ref_model_name_or_path or policy_source)
+    directory = None if ref_model_given else (args.ref_model_name_or_path or policy_dir)
     if directory is not None and args.ref_model_name_or_path:
         require_model_directory(
             directory, role="reference", option="ref_model_name_or_path", code="reference_not_local"
