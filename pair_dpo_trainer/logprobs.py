@@ -5,8 +5,8 @@ The packed path never materialises ``[T, V]`` logits: the final hidden states of
 ``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
 log-sum-exps and recomputes each chunk's logits in backward (one extra ``[c, H] x [H, V]`` matmul per chunk).
 Temporaries are a few ``[chunk_size, V]`` tensors, plus a float32 ``[V, H]`` gradient accumulator in backward
-when the head weight is bf16/fp16. Measured on an H200 (bf16, V=152064, N=16384, H=2048, chunk 4096, fwd+bwd):
-peak 4.70 GiB chunked vs 27.84 GiB naive, 113.5 ms vs 75.7 ms.
+when the head weight is bf16/fp16: a fraction of the naive path's peak memory for some extra time (measured:
+``docs/benchmarks.md``, "Packed log-probs and attention").
 
 The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
 sums use ``index_add`` with ``sequence_index``.
