@@ -263,7 +263,7 @@ class PairDPOConfig(TrainingArguments):
         default=10,
         metadata={"help": "Log every N optimizer steps (or a ratio of the total steps if < 1); default 10."},
     )
-    bf16: bool | None = field(
+    bf16: bool | None = field(  # type: ignore[assignment]  # None: launch.resolve_bf16 decides in __post_init__
         default=None,
         metadata={
             "help": "bf16 mixed precision. Unset: on when an accelerator with bf16 support is used and neither fp16, "
@@ -403,7 +403,7 @@ class PairDPOConfig(TrainingArguments):
         problems: list[tuple[str, str]] = []
         if self.max_length <= 1:
             problems.append(("bad_length", f"max_length={self.max_length}: set a value > 1."))
-        if not 0 < self.max_prompt_length < self.max_length:
+        if self.max_prompt_length is None or not 0 < self.max_prompt_length < self.max_length:
             problems.append(
                 (
                     "bad_length",
@@ -453,7 +453,7 @@ class PairDPOConfig(TrainingArguments):
     @property
     def ref_logps_cache_path(self) -> str:
         """The directory of the precomputed reference log-prob cache (``ref_logps_cache_dir`` or its default)."""
-        return self.ref_logps_cache_dir or os.path.join(self.output_dir, "ref_logps_cache")
+        return self.ref_logps_cache_dir or os.path.join(str(self.output_dir), "ref_logps_cache")
 
     @property
     def pairs_per_rank_per_step(self) -> int:

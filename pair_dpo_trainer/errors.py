@@ -57,7 +57,15 @@ class RunError(PairDPOError):
 
 
 class CheckpointError(PairDPOError):
-    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data)."""
+    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data).
+
+    Attributes:
+        directory: For ``disk_full``: the run directory whose filesystem filled up (else None).
+        free_bytes: For ``disk_full``: the free bytes measured there (None when unknown).
+    """
+
+    directory: str | None = None
+    free_bytes: int | None = None
 
 
 _REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"

@@ -196,7 +196,7 @@ def naive_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
 
 
 def module_chunked_token_logps(
-    head: torch.nn.Module,
+    head: Any,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -223,7 +223,7 @@ def module_chunked_token_logps(
         del head.forward
 
 
-def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
+def check_supported_head(model: torch.nn.Module) -> Any:
     """Return the LM head of ``model`` after checking that logits are a plain ``hidden @ weight.T``.
 
     Raises:
@@ -249,7 +249,7 @@ def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
+def _check_varlen(model: torch.nn.Module) -> Any:
     """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)."""
     target = unwrap_model(model)
     implementation = str(target.config._attn_implementation)
@@ -264,7 +264,7 @@ def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
 
 def in_forward_token_logps(
     model: torch.nn.Module,
-    head: torch.nn.Module,
+    head: Any,
     batch: PackedPairBatch,
     targets: torch.Tensor,
     chunk_size: int,
@@ -290,7 +290,7 @@ def in_forward_token_logps(
     """
     _check_varlen(model)
 
-    def chunked_forward(rows: torch.Tensor) -> torch.Tensor:
+    def chunked_forward(rows: torch.Tensor) -> Any:
         result = chunked_token_logps(
             rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size, with_stats=with_stats
         )

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.profiler import record_function
@@ -54,7 +54,7 @@ from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupport
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
-from pair_dpo_trainer.reference.source import resolve_reference_source
+from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
 from pair_dpo_trainer.run_checks import RunSetup, raise_problems, run_problems
 from pair_dpo_trainer.runtime import RunGuard
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
@@ -68,8 +68,9 @@ class PairDataLoader(DataLoader):
     """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch)."""
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.batch_sampler, "set_epoch"):
-            self.batch_sampler.set_epoch(epoch)
+        sampler: Any = self.batch_sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
 
 
 class PairDPOTrainer(Trainer):
@@ -87,6 +88,8 @@ class PairDPOTrainer(Trainer):
     """
 
     loss_is_scaled_for_ga = True
+    args: PairDPOConfig  # narrows the Trainer's TrainingArguments (checked in __init__)
+    model: torch.nn.Module  # the policy (set by Trainer.__init__, never None here)
 
     def __init__(
         self,
@@ -113,7 +116,7 @@ class PairDPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=PackedPairCollator(
+            data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
             ),
@@ -175,7 +178,7 @@ class PairDPOTrainer(Trainer):
             dataset,
             tokenizer,
             max_length=args.max_length,
-            max_prompt_length=args.max_prompt_length,
+            max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             progress=not args.disable_tqdm and args.process_index == 0,
             desc=desc,
@@ -192,7 +195,9 @@ class PairDPOTrainer(Trainer):
         """The reference identity written beside every checkpoint (None when reference-free)."""
         return self.reference_manager.identity
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+    def train(  # type: ignore[override]  # the Trainer's keywords pass through **kwargs
+        self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
+    ) -> Any:
         """``Trainer.train``, after the reference is ready: built (DeepSpeed: its own engine) or precomputed, and on
         resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored.
 
@@ -240,11 +245,11 @@ class PairDPOTrainer(Trainer):
         reference copied from the policy is copied uncompiled). Idempotent."""
         if not self.args.torch_compile:
             return
-        options = {"backend": self.args.torch_compile_backend or "inductor", "mode": self.args.torch_compile_mode}
-        compile_decoder_layers(self.model, **options)
+        backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
+        compile_decoder_layers(self.model, backend=backend, mode=mode)
         reference = self.reference_manager.reference_if_built
         if reference is not None and reference.model is not None:
-            compile_decoder_layers(reference.model, **options)
+            compile_decoder_layers(reference.model, backend=backend, mode=mode)
 
     def _reference_datasets(self) -> dict[str, Any]:
         """The datasets a precomputed reference covers: the train set and every eval set."""
@@ -293,14 +298,16 @@ class PairDPOTrainer(Trainer):
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
         if isinstance(sampler, PairStepSampler):
-            return self._loader(StepPairs(dataset), sampler, PairDataLoader, StepCollator(self.data_collator))
+            return self._loader(
+                StepPairs(dataset), sampler, PairDataLoader, StepCollator(cast(PackedPairCollator, self.data_collator))
+            )
         return self._loader(dataset, sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
-            dataset = self.eval_dataset[dataset]
+            dataset = cast(dict, self.eval_dataset)[dataset]
         sampler = EvalBatchSampler(
             self._costs(dataset),
             world_size=self.args.world_size,
@@ -340,6 +347,7 @@ class PairDPOTrainer(Trainer):
         batch_samples = self.objective_runtime.attach_step_contexts(  # sft / bco_pair / aot need the step (collective)
             batch_samples, margins_fn=self._pair_logps_without_grad, pairs_per_rank=self.args.pairs_per_rank_per_step
         )
+        assert self._train_sampler is not None, "get_train_dataloader ran before the first step"
         return batch_samples, self._train_sampler.global_pairs_per_step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -354,7 +362,7 @@ class PairDPOTrainer(Trainer):
             )
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
+    def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:  # type: ignore[override]  # not a dict
         """The batch on the device, with LD-DPO token weights when ``ld_alpha`` is set (device ops, no sync)."""
         return with_length_desensitization(inputs.to(self.args.device, non_blocking=True), self.args.ld_alpha)
 
@@ -367,7 +375,7 @@ class PairDPOTrainer(Trainer):
             )
             return pair_logps_from_sequences(policy, self.reference.sequence_logps(inputs), inputs)
 
-    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:
+    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:  # type: ignore[override]  # not a dict
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
 
         N (non-embedding parameters, ZeRO-3 partitions counted whole) is counted once and cached: this runs per
@@ -380,7 +388,9 @@ class PairDPOTrainer(Trainer):
         return (6 + ref_flops + prepass_flops) * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(  # type: ignore[override]  # a PackedPairBatch, not HF's dict of tensors
+        self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None
+    ):
         """Per-pair DPO losses of one micro-batch, scaled as the module docstring explains."""
         with record_function("pair_dpo::policy_logps"):  # profiler ranges: per-region host time in bench_dpo
             policy = packed_policy_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
@@ -430,7 +440,8 @@ class PairDPOTrainer(Trainer):
                 self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         reduced = metrics.reduce(self.args.device, prefix=f"{metric_key_prefix}_")
         num_samples = len(dataloader.dataset)
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)
+        # no predictions (prediction_loss_only in effect), as the Trainer's own loop returns for that case
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)  # type: ignore[arg-type]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the pair metrics accumulated since the last training log (reduced over ranks here, only here)."""
@@ -441,7 +452,9 @@ class PairDPOTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool):
+def _load_policy(
+    model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool
+) -> tuple[PreTrainedModel, str | None, ReferenceSource | None]:
     """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
 
     Returns:
@@ -457,10 +470,10 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
         policy_name_or_path=getattr(model, "name_or_path", None),
         ref_model_given=ref_model_given,
     )
-    if policy_dir is not None:
-        ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-        model = AutoModelForCausalLM.from_pretrained(policy_dir)
-    return model, policy_dir, reference_source
+    if isinstance(model, PreTrainedModel) or policy_dir is None:
+        return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
+    ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
+    return AutoModelForCausalLM.from_pretrained(policy_dir), policy_dir, reference_source
 
 
 def pair_logps_from_sequences(

@@ -59,7 +59,7 @@ def as_pair_dataset(
             the run (see :mod:`pair_dpo_trainer.data.prepared`).
         PreferenceRowError: The first bad row.
     """
-    limits = {
+    limits: dict[str, Any] = {
         "max_length": max_length,
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import PreTrainedModel
 
@@ -11,9 +11,12 @@ from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
 from pair_dpo_trainer.reference.source import ReferenceSource
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 
 def build_reference(
-    args: Any,
+    args: PairDPOConfig,
     policy: PreTrainedModel,
     *,
     source: ReferenceSource | None,
@@ -56,11 +59,11 @@ def build_reference(
         from pair_dpo_trainer.reference.fsdp import build_fsdp_reference
 
         return build_fsdp_reference(ref_model, plugin=fsdp_plugin, args=args, device=args.device)
-    return FrozenReference(ref_model.to(args.device), chunk_size=args.logps_chunk_size)
+    return FrozenReference(cast(Any, ref_model).to(args.device), chunk_size=args.logps_chunk_size)
 
 
 def _deepspeed_reference(
-    args: Any,
+    args: PairDPOConfig,
     policy: PreTrainedModel,
     *,
     source: ReferenceSource | None,

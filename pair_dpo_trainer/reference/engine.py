@@ -40,7 +40,7 @@ import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -49,6 +49,9 @@ from pair_dpo_trainer.errors import ConfigError, Problem
 from pair_dpo_trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
 from pair_dpo_trainer.modeling.zero3 import mark_zero3_leaf_modules
 from pair_dpo_trainer.run_checks import raise_problems
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -198,10 +201,10 @@ def _gathered_copy(param: torch.nn.Parameter) -> torch.Tensor:
         return param.detach().to("cpu", copy=True)
 
 
-def _full_copy(param: torch.Tensor) -> torch.Tensor:
+def _full_copy(param: DTensor) -> torch.Tensor:
     """The full value of one FSDP2 (DTensor) parameter as a CPU tensor (collective: every rank must call it)."""
     if param.device.type != param.device_mesh.device_type:  # CPU-offloaded shards: all-gather on the mesh's device
-        param = param.to(param.device_mesh.device_type)
+        param = cast("DTensor", param.to(param.device_mesh.device_type))
     return param.full_tensor().detach().to("cpu", copy=True)
 
 

@@ -28,9 +28,10 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from transformers import PreTrainedModel
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
@@ -50,6 +51,9 @@ from pair_dpo_trainer.reference.precompute import (
     write_cache,
 )
 from pair_dpo_trainer.reference.source import ReferenceSource
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +79,11 @@ class ReferenceManager:
 
     def __init__(
         self,
-        args: Any,
-        policy: torch.nn.Module,
+        args: PairDPOConfig,
+        policy: PreTrainedModel,
         *,
         source: ReferenceSource | None,
-        ref_model: torch.nn.Module | None,
+        ref_model: PreTrainedModel | None,
         deepspeed_config: Mapping[str, Any] | None,
         mixed_precision: str = "no",
         fsdp_plugin: Any = None,
@@ -152,7 +156,7 @@ class ReferenceManager:
             self._build()
         if resume_from_checkpoint and self._checked != resume_from_checkpoint:
             self._restore_synced(resume_from_checkpoint)
-            check_resume_identity(resume_from_checkpoint, self._identity)
+            check_resume_identity(resume_from_checkpoint, self._built_identity())
             self._checked = resume_from_checkpoint
 
     def attach(self, dataset: Any) -> Any:
@@ -182,6 +186,7 @@ class ReferenceManager:
 
     def _identify(self) -> None:
         """(Re)computes the identity of the built reference, recording the TR-DPO sync step."""
+        assert self.source is not None and self._reference is not None, "identified only once built, with a source"
         identity = compute_identity(
             self.source, self._reference, vocab_size=self._policy.config.vocab_size, device=self.args.device
         )
@@ -239,6 +244,11 @@ class ReferenceManager:
         self.builds += 1
         self._identify()
 
+    def _built_identity(self) -> ReferenceIdentity:
+        """The identity of the built (or cached) reference, which ``_build`` / ``_remember`` set before any check."""
+        assert self._identity is not None, "the reference is identified when it is built or read from the cache"
+        return self._identity
+
     def _release(self) -> None:
         """Frees the built reference after a precompute pass; from now on batches carry the log-probs."""
         if self._reference is not None:
@@ -254,8 +264,9 @@ class ReferenceManager:
         Unpinned, the starting weights are the explicit ``ref_model``, else the policy itself when the reference is
         its copy or its own directory; an unpinned reference from another directory is loaded once to digest it.
         """
-        if self.source is not None and self.source.pinned:
-            return {"pinned": True, "digest": self.source.snapshot.manifest_digest}
+        snapshot = self.source.snapshot if self.source is not None else None
+        if snapshot is not None:  # pinned: the verified snapshot's manifest
+            return {"pinned": True, "digest": snapshot.manifest_digest}
         model = self._ref_model
         if model is None and self.source is not None and self.source.directory not in (None, self._policy_dir()):
             from pair_dpo_trainer.reference.base import load_reference_model
@@ -283,15 +294,15 @@ class ReferenceManager:
         for name, ds in pending.items():
             if hits[name]:
                 logger.info("reference log-probs of %s: cache hit %s", name, path[name])
-                self._remember(ds, entries[name])
+                self._remember(ds, cast(CacheEntry, entries[name]))  # a hit: read on this rank
                 continue
             if self._reference is None or isinstance(self._reference, PrecomputedReference):
                 self._build()
                 if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
-                    check_resume_identity(resume_from_checkpoint, self._identity)
+                    check_resume_identity(resume_from_checkpoint, self._built_identity())
                     self._checked = resume_from_checkpoint
             logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name)
-            entry = CacheEntry(logps=logps, identity=self._identity.to_dict())
+            entry = CacheEntry(logps=logps, identity=self._built_identity().to_dict())
             if self.args.should_save:
                 write_cache(path[name], keys[name], entry)
             self._remember(ds, entry)
@@ -301,7 +312,7 @@ class ReferenceManager:
     def _key(self, dataset: Any) -> dict[str, Any]:
         return cache_key(
             fingerprint=dataset_fingerprint(dataset),
-            reference=self._key_reference,
+            reference=cast("dict[str, Any]", self._key_reference),  # set in __init__ for a precomputed run
             args=self.args,
             precision=self._precision,
         )

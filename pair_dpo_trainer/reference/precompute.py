@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -41,6 +41,9 @@ from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import with_length_desensitization
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +137,7 @@ def dataset_fingerprint(dataset: Any) -> str:
     return hasher.hexdigest()
 
 
-def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, precision: str) -> dict[str, Any]:
+def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOConfig, precision: str) -> dict[str, Any]:
     """Everything the precomputed values depend on (see the module docstring).
 
     Args:
@@ -150,12 +153,13 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, prec
         "dataset": fingerprint,
         "reference": dict(reference),
         "max_length": int(args.max_length),
-        "max_prompt_length": int(args.max_prompt_length),
+        "max_prompt_length": int(args.max_prompt_length),  # type: ignore[arg-type]  # set by __post_init__
         "precision": precision,
         "pair_dpo_trainer": __version__,
     }
-    if getattr(args, "ld_alpha", None) is not None:  # LD-DPO weights the reference's sums too (only then in the key)
-        key["ld_alpha"] = float(args.ld_alpha)
+    ld_alpha = getattr(args, "ld_alpha", None)
+    if ld_alpha is not None:  # LD-DPO weights the reference's sums too (only then in the key)
+        key["ld_alpha"] = float(ld_alpha)
     return key
 
 
@@ -203,7 +207,7 @@ def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
     return path
 
 
-def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> torch.Tensor:
+def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc: str) -> torch.Tensor:
     """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
 
     Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs, and of at most
@@ -224,8 +228,9 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
     )
     assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
-    loader = DataLoader(
-        WeightedPairs(dataset),
+    view: Any = WeightedPairs(dataset)  # a map-style dataset (``__getitem__`` / ``__len__``), not a torch Dataset
+    loader: DataLoader[dict[str, Any]] = DataLoader(
+        view,
         batch_sampler=sampler,
         collate_fn=PackedPairCollator(),
         num_workers=args.dataloader_num_workers,
@@ -254,7 +259,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
     return result
 
 
-def _progress(loader: DataLoader, args: Any, desc: str):
+def _progress(loader: DataLoader, args: PairDPOConfig, desc: str):
     """A tqdm bar on the main process (unless ``disable_tqdm``), the plain loader elsewhere."""
     if args.disable_tqdm or args.process_index != 0:
         return loader

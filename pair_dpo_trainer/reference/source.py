@@ -12,11 +12,14 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import VerifiedSnapshot, verify_snapshot
 from pair_dpo_trainer.modeling.paths import require_model_directory
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ class ReferenceSource:
 
 
 def resolve_reference_source(
-    args: Any, *, policy_dir: str | None, policy_name_or_path: str | None, ref_model_given: bool
+    args: PairDPOConfig, *, policy_dir: str | None, policy_name_or_path: str | None, ref_model_given: bool
 ) -> ReferenceSource | None:
     """Decides, and for a pinned revision verifies, where the reference comes from. None when reference-free.
 
@@ -91,7 +94,7 @@ def resolve_reference_source(
     return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id)
 
 
-def _unpinned(args: Any, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
+def _unpinned(args: PairDPOConfig, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
     if not args.allow_unpinned_reference:
         raise ConfigError(
             "reference_not_pinned",

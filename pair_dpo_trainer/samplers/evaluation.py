@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class EvalBatchSampler:
 class WeightedPairs:
     """Dataset view: ``view[(i, w)]`` is ``dataset[i]`` with an added ``pair_weight`` of ``w``."""
 
-    def __init__(self, dataset) -> None:
+    def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
     def __getitem__(self, key: WeightedIndex) -> dict:
