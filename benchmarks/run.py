@@ -186,11 +186,12 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or os.environ.get("OUT") or f"bench_out/{suite.name}").resolve()
     work = str(Path(args.work or "/tmp/pair_dpo_bench").resolve() / suite.name)
     context = {"work": work, "out": str(out)}
-    deadline = time.time() + (args.deadline or suite.deadline_s)
+    budget = suite.deadline_s if args.deadline is None else args.deadline
+    deadline = time.time() + budget
     if not args.dry_run:
         out.mkdir(parents=True, exist_ok=True)
         Path(work).mkdir(parents=True, exist_ok=True)
-    print(f"suite {suite.name}: {len(suite.runs)} runs, {suite.gpus} GPU, deadline {args.deadline or suite.deadline_s}"
+    print(f"suite {suite.name}: {len(suite.runs)} runs, {suite.gpus} GPU, deadline {budget}"
           f" s, results in {out}", flush=True)  # fmt: skip
     for step in suite.setup:
         _setup(step, context, args.dry_run)

@@ -51,7 +51,9 @@ def rows() -> list[dict]:
 def test_regeneration_is_byte_identical(tmp_path):
     demo_assets.write_demo_assets(tmp_path)
     fresh, committed = _tree(tmp_path), _tree(ASSETS)
-    hint = "regenerate with python -m benchmarks.tools.demo_assets; stage .cache with `git add -f` (its .gitignore is '*')"
+    hint = (
+        "regenerate with python -m benchmarks.tools.demo_assets; stage .cache with `git add -f` (its .gitignore is '*')"
+    )
     assert sorted(fresh) == sorted(committed), hint
     assert [rel for rel in fresh if fresh[rel] != committed[rel]] == [], hint
     # A second in-memory build (fresh model, fresh tokenizer) gives the same bytes again.
