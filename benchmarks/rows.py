@@ -1,5 +1,5 @@
-"""Pieces of ``bench_dpo.py`` that its ceiling loops (``bench_ceiling.py``) share: the workload's vocabulary, the
-step-timing probe and the fields of the JSON rows. Scripts beside each other, imported by plain module name."""
+"""Pieces of ``dpo.py`` that its ceiling loops (``ceiling.py``) share: the workload's vocabulary, the
+step-timing probe and the fields of the JSON rows. Modules of the ``benchmarks`` package."""
 
 from __future__ import annotations
 
