@@ -1,13 +1,13 @@
 """Throughput benchmark of ``PairDPOTrainer`` on the fixed comparison workload (side by side with TRL's DPOTrainer).
 
-The workload, the timing and the ``RESULT`` fields mirror ``../shared/bench/trl_dpo_baseline.py`` so the rows of the
-two scripts are directly comparable (see ``docs/bench_dpo_howto.md`` for the GPU commands):
+The workload, the timing and the ``RESULT`` fields mirror ``trl_dpo.py`` (TRL's DPOTrainer, same package) so the rows
+of the two sides are directly comparable (``python -m benchmarks.run`` runs both; see ``docs/benchmarks_howto.md``):
 
 * random-init Llama (``--model-size 254m``: hidden 1024, 16 layers, 16/8 heads, vocab 32000), bf16 weights and
   ``bf16=True``, no gradient checkpointing, 8 pairs per GPU per optimizer step, ``max_length`` 2048, seed 0;
-* pairs of token ids drawn with ``numpy.random.default_rng(seed)`` exactly as the TRL script draws them: prompt
-  U[32, 512]; chosen / rejected ``clip(round(lognormal(log 200, 0.9)), 16, 1024)`` each ending with EOS (id 1);
-  the same ``(warmup + steps + 2) * pairs_per_step * world`` pairs, so both scripts see the same pair pool;
+* pairs of token ids drawn with ``numpy.random.default_rng(seed)`` by ``workload.make_pairs`` (the TRL side's too):
+  prompt U[32, 512]; chosen / rejected ``clip(round(lognormal(log 200, 0.9)), 16, 1024)`` each ending with EOS (id 1);
+  the same ``(warmup + steps + 2) * pairs_per_step * world`` pairs, so both sides see the same pair pool;
 * a ``TrainerCallback`` synchronises CUDA at ``on_step_begin`` / ``on_step_end`` only; step times are differences of
   consecutive ``on_step_end`` times (TRL's method: data loading, all micro-batches, clipping and the optimizer step);
   the first ``--warmup`` steps are excluded; tokens/s = real tokens of the timed steps (prompt + chosen and prompt +
@@ -29,7 +29,7 @@ around each step, the first ``--warmup`` steps untimed; NO optimizer step, no Tr
 
 Token budget: ``--max-tokens-per-microbatch B`` sets ``PairDPOConfig.max_tokens_per_microbatch=B`` (``--bs`` is then
 the pairs per GPU per optimizer step, ``--ga`` must stay 1; ``--pad-to-budget`` pads every row to ``B``); ``--mix
-heavy`` draws the lengths of ``bench_sampler.py``'s heavy-tailed mix instead of TRL's workload. In budget runs
+heavy`` draws the lengths of ``sampler.py``'s heavy-tailed mix instead of TRL's workload. In budget runs
 ``--ceiling`` times each step's micro-batch rows as the trainer ran them (rows of ``<= B`` tokens), not one row.
 Rows carry ``mix``, ``max_tokens_per_microbatch``, ``pad_to_budget``, ``microbatches_per_step_mean`` / ``_max`` and
 ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` as the process saw it).
@@ -44,15 +44,15 @@ Each rank prints ``RESULT {json}`` (and ``CEILING {json}`` per ceiling) and appe
 ``$OUT/results.jsonl`` when ``OUT`` is set (or to ``--results``).
 
 Examples:
-    python scripts/bench_dpo.py --tag ours --ceiling --ceiling-shape 16x1024
-    python scripts/bench_dpo.py --tag ours_compile --compile --ceiling --ceiling-shape 16x1024
-    python scripts/bench_dpo.py --tag ours_prof --profile          # writes $OUT/profile_summary.txt
-    python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --bs-for-tokens 16384
-    python scripts/bench_dpo.py --tag heavy_b16k --model-size 1.5b --mix heavy --bs 32 --max-tokens-per-microbatch 16384
-    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 scripts/bench_dpo.py --tag z3
-    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 scripts/bench_dpo.py --tag fsdp2
-    python scripts/bench_dpo.py --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
-    python scripts/bench_dpo.py --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
+    python -m benchmarks.dpo --tag ours --ceiling --ceiling-shape 16x1024
+    python -m benchmarks.dpo --tag ours_compile --compile --ceiling --ceiling-shape 16x1024
+    python -m benchmarks.dpo --tag ours_prof --profile          # writes $OUT/profile_summary.txt
+    python -m benchmarks.dpo --tag ours_1p5b --model-size 1.5b --bs-for-tokens 16384
+    python -m benchmarks.dpo --tag heavy_b16k --model-size 1.5b --mix heavy --bs 32 --max-tokens-per-microbatch 16384
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 -m benchmarks.dpo --tag z3
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 -m benchmarks.dpo --tag fsdp2
+    python -m benchmarks.dpo --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
+    python -m benchmarks.dpo --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
 """
 
 from __future__ import annotations
@@ -60,11 +60,9 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import math
 import os
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -75,16 +73,10 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
-from pair_dpo_trainer.collators.step import StepBatch
-from pair_dpo_trainer.config import PairDPOConfig
-from pair_dpo_trainer.data.tokenize import pair_costs
-from pair_dpo_trainer.trainer import PairDPOTrainer
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import profile_summary  # noqa: E402  (the helper beside this script)
-from bench_ceiling import run_ceiling, run_shape_ceiling, shape_batches  # noqa: E402, F401  (helpers beside it)
-from bench_common import (  # noqa: E402  (the helper beside this script)
-    VOCAB,
+from benchmarks import profile_summary
+from benchmarks.ceiling import run_ceiling, run_shape_ceiling, shape_batches  # noqa: F401  (shape_batches: tests)
+from benchmarks.report import emit, summary_table
+from benchmarks.rows import (
     Probe,
     dynamo_graphs,
     fsdp_fields,
@@ -96,21 +88,14 @@ from bench_common import (  # noqa: E402  (the helper beside this script)
     tf32_matmul,
     timed_tokens,
 )
-from bench_report import emit, summary_table  # noqa: E402  (the helper beside this script)
-from bench_sampler import mix_lengths  # noqa: E402  (the helper beside this script)
+from benchmarks.workload import MODEL_SIZES, make_pairs, make_tokenizer, model_dims
+from pair_dpo_trainer.collators.step import StepBatch
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.data.tokenize import pair_costs
+from pair_dpo_trainer.trainer import PairDPOTrainer
 
-EOS_ID = 1
 PROCESS_START = time.perf_counter()
 PEAK_TFLOPS = (989, 790)
-
-MODEL_SIZES: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4),
-    "254m": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16),
-    # "1.5b": Qwen2-like width and vocabulary on the Llama architecture; untied head like the 254M model. 5632 =
-    # 22 x 256 (tensor-core friendly, ~2.75 x hidden). 1.44e9 non-embedding parameters (head included), 1.76e9 in all.
-    "1.5b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16),
-}
-MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064}
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -201,8 +186,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress", action="store_true", help="rank 0 prints each step's time and the setup phases")
     p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--trl-script", help="run this TRL baseline script at --model-size instead (see run_trl_baseline)")
-    p.add_argument("--trl-args", default="", help="arguments for --trl-script, one string")
     p.add_argument("--summarize", metavar="JSONL", help="only print a markdown table of the rows of this file")
     p.add_argument("--results", help="JSONL file to append to (default: $OUT/results.jsonl when OUT is set)")
     args = p.parse_args(argv)
@@ -230,71 +213,12 @@ def _progress(args: argparse.Namespace, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- workload
-def make_pairs(n: int, seed: int, mix: str = "trl") -> list[dict[str, list[int]]]:
-    """``n`` tokenised pairs, drawn exactly as ``trl_dpo_baseline.make_dataset`` draws them (same RNG call order), or
-    with ``mix="heavy"`` the lengths of ``bench_sampler.py``'s heavy-tailed mix (pair cost up to 16,384).
-
-    Example:
-        >>> row = make_pairs(1, seed=0)[0]
-        >>> row["chosen_input_ids"][-1], 32 <= len(row["prompt_input_ids"]) <= 512
-        (1, True)
-    """
-    if mix == "heavy":
-        return heavy_pairs(n, seed)
-    rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        lp = int(rng.integers(32, 513))
-        lc, lr = (int(np.clip(round(rng.lognormal(math.log(200), 0.9)), 16, 1024)) for _ in range(2))
-        rows.append(
-            {
-                "prompt_input_ids": rng.integers(3, VOCAB, lp).tolist(),
-                "chosen_input_ids": rng.integers(3, VOCAB, lc - 1).tolist() + [EOS_ID],
-                "rejected_input_ids": rng.integers(3, VOCAB, lr - 1).tolist() + [EOS_ID],
-            }
-        )
-    return rows
-
-
-def heavy_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
-    """``n`` pairs with ``bench_sampler.mix_lengths("heavy")``: prompt clip(lognormal(log 300, 1), 16, 4096), chosen /
-    rejected clip(lognormal(log 150, 1.5), 8, 4096), each ending with EOS; ids in [3, VOCAB)."""
-    rng = np.random.default_rng(seed)
-    lengths = zip(*(x.tolist() for x in mix_lengths("heavy", n, rng)), strict=True)
-    return [
-        {
-            "prompt_input_ids": rng.integers(3, VOCAB, lp).tolist(),
-            "chosen_input_ids": rng.integers(3, VOCAB, lc - 1).tolist() + [EOS_ID],
-            "rejected_input_ids": rng.integers(3, VOCAB, lr - 1).tolist() + [EOS_ID],
-        }
-        for lp, lc, lr in lengths
-    ]
-
-
-def make_tokenizer() -> Any:
-    """The TRL script's word-level tokenizer (pad 0, EOS 1, unk 2); the trainer reads only its pad id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
-
-
 def pairs_per_microbatch(args: argparse.Namespace) -> int:
     """``--bs``, or with ``--bs-for-tokens N`` the pair count whose mean packed row is ~N tokens."""
     if not args.bs_for_tokens:
         return args.bs
     mean_cost = float(np.mean(pair_costs(make_pairs(2048, args.seed, args.mix))))
     return max(1, round(args.bs_for_tokens / mean_cost))
-
-
-def model_dims(size: str) -> dict[str, int]:
-    """``LlamaConfig`` keyword arguments of a ``--model-size`` (GQA with half as many KV heads as query heads)."""
-    dims = dict(MODEL_SIZES[size])
-    dims.update(num_key_value_heads=dims["num_attention_heads"] // 2, vocab_size=MODEL_VOCAB[size])
-    return {**dims, "max_position_embeddings": 4096}
 
 
 def build_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausalLM:
@@ -310,28 +234,6 @@ def build_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausa
     if device.type == "cuda" and not args.tiny:
         model = model.to(torch.bfloat16)
     return model.to(device)
-
-
-def run_trl_baseline(script: str, size: str, script_args: str) -> None:
-    """Runs the TRL baseline script unchanged, except that its ``LlamaConfig(...)`` gets the ``size`` dimensions
-    (the script itself only knows the 254M and tiny models). Used for the TRL side of the 1.5B comparison."""
-    import runpy
-    import shlex
-
-    import transformers
-
-    original = transformers.LlamaConfig
-    dims = model_dims(size)
-
-    def sized_config(*args: Any, **kwargs: Any) -> Any:
-        return original(*args, **{**kwargs, **dims})
-
-    transformers.LlamaConfig = sized_config
-    sys.argv = [script, *shlex.split(script_args)]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        transformers.LlamaConfig = original
 
 
 def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool) -> PairDPOConfig:
@@ -462,7 +364,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "grad_accum": args.ga,
         **budget_fields(args, log, steps),
         "reference_backend": type(trainer.reference).__name__,
-        "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
+        "reference_zero_stage": getattr(trainer.reference_manager.reference_if_built, "zero_stage", None),
         "zero3_leaf_classes": list(getattr(trainer, "zero3_leaf_classes", ())),
         **fsdp_fields(trainer),
         **step_stats(dts),
@@ -544,7 +446,7 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
         callbacks=[StepClock(probe)],
     )
     print(
-        f"bench_dpo: rank {ctx['rank']} of world_size {config.world_size} (WORLD_SIZE={ctx['world']}), "
+        f"benchmarks.dpo: rank {ctx['rank']} of world_size {config.world_size} (WORLD_SIZE={ctx['world']}), "
         f"deepspeed={trainer.is_deepspeed_enabled}, fsdp2={trainer.is_fsdp_enabled}, "
         f"model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
         f"{ctx['bs']} pairs x {args.ga} micro-batches per step (budget {args.max_tokens_per_microbatch}, mix "
@@ -591,9 +493,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     if args.summarize:
         print(summary_table(args.summarize), flush=True)
-        return {}
-    if args.trl_script:
-        run_trl_baseline(args.trl_script, args.model_size, args.trl_args)
         return {}
     ctx = setup(args)
     probe = Probe(ctx["cuda"], args.warmup - 1 if args.profile else None, count_graphs=args.compile)

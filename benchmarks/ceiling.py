@@ -1,4 +1,4 @@
-"""The raw-loop ceilings of ``bench_dpo.py``: the same model and packed rows without the Trainer (``--ceiling``), and
+"""The raw-loop ceilings of ``dpo.py``: the same model and packed rows without the Trainer (``--ceiling``), and
 the issue's definition, DOCS x LEN-token documents in one row (``--ceiling-shape``). Neither has an optimizer step."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from typing import Any
 
 import numpy as np
 import torch
-from bench_common import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
 
+from benchmarks.rows import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
 from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.samplers import PairStepSampler
 
-BenchTrainer = Any  # bench_dpo.BenchTrainer (a PairDPOTrainer); not imported: bench_dpo imports this module
+BenchTrainer = Any  # dpo.BenchTrainer (a PairDPOTrainer); not imported: dpo imports this module
 
 
 def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[list[Any]]:

@@ -3,8 +3,8 @@
 
 Usage::
 
-    python scripts/plot_loss_curves.py A/trainer_state.json B/trainer_state.json --out docs/img/dp1_vs_dp2.png
-    python scripts/plot_loss_curves.py runs/dp1 runs/dp2 --labels "DP=1" "DP=2" --out cmp.png --key loss
+    python -m benchmarks.tools.loss_curves A/trainer_state.json B/trainer_state.json --out docs/img/dp1_vs_dp2.png
+    python -m benchmarks.tools.loss_curves runs/dp1 runs/dp2 --labels "DP=1" "DP=2" --out cmp.png --key loss
 
 Each argument is a ``trainer_state.json`` or a run directory (its ``trainer_state.json``, else the newest
 ``checkpoint-*/trainer_state.json``). The left panel overlays the curves; the right one shows each run's absolute

@@ -12,7 +12,7 @@ Creates ``--files`` non-sparse random files of ``--size-mib`` MiB in a temporary
 
 The files are deleted afterwards. Usage::
 
-    python scripts/bench_integrity.py --size-mib 1024 --files 2 --repeats 3
+    python -m benchmarks.integrity --size-mib 1024 --files 2 --repeats 3
 """
 
 from __future__ import annotations
@@ -128,7 +128,7 @@ def report(rows: list[tuple[str, int, int, float]], size: int, args: argparse.Na
     lines = [
         f"- Date: {datetime.date.today().isoformat()}; machine: {args.machine} ({os.cpu_count()} cores, "
         f"{platform.processor() or platform.machine()}); Python {platform.python_version()}.",
-        f"- Command: `python scripts/bench_integrity.py --size-mib {args.size_mib} --files {args.files} "
+        f"- Command: `python -m benchmarks.integrity --size-mib {args.size_mib} --files {args.files} "
         f"--repeats {args.repeats} --threads {args.threads}` (best of {args.repeats}, warm page cache).",
         "",
         "| what | files | threads | seconds | GiB/s | speed vs sha256sum | speed vs git hash-object |",

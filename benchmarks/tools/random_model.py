@@ -3,8 +3,8 @@
 
 Usage::
 
-    python scripts/make_random_model.py --out /data/llama-0.5b-random              # ~0.5B parameters, bf16
-    python scripts/make_random_model.py --out /tmp/tiny --hidden 64 --layers 2 --intermediate 128 --heads 4
+    python -m benchmarks.tools.random_model --out /data/llama-0.5b-random              # ~0.5B parameters, bf16
+    python -m benchmarks.tools.random_model --out /tmp/tiny --hidden 64 --layers 2 --intermediate 128 --heads 4
 
 The directory holds ``config.json``, ``model.safetensors``, the bundled word-level tokenizer and chat template, and
 the ``.cache/huggingface/download/*.metadata`` records that ``hf download --local-dir`` writes, all naming one

@@ -1,6 +1,7 @@
 """NCCL versions of the CPU fault tests (tests/test_run_faults.py), on 2 GPUs: one JSON line per case on stdout.
 
-Cases (tests/fault_worker.py, ranks launched directly with RANK / WORLD_SIZE, one GPU each, ddp_timeout=30 s):
+Run as ``python -m benchmarks.nccl_faults`` (suite ``h200x2-nccl-faults``). Cases (tests/fault_worker.py, ranks
+launched directly with RANK / WORLD_SIZE, one GPU each, ddp_timeout=30 s):
   stall_backward: rank 1 SIGSTOPs after its last forward of step 4; rank 0 waits in DDP's NCCL gradient all-reduce.
       Default error handling: NCCL's watchdog must end rank 0 within ~30 s (+ its own grace), printing
       "Watchdog caught collective operation timeout ... Timeout(ms)=30000".
@@ -13,19 +14,16 @@ Look for: "ok": true on every line; "rank0_exit_after_s" a little above 30 for t
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from pair_dpo_trainer.runtime.checkpoint import checkpoint_problem, list_checkpoints  # noqa: E402
-from tests.faults import (  # noqa: E402
+from pair_dpo_trainer.runtime.checkpoint import checkpoint_problem, list_checkpoints
+from tests.faults import (
     kill_all,
     launch,
     logs,
@@ -82,7 +80,18 @@ def sigterm(root: Path) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``--results`` (JSONL to append each case's line to; default ``$OUT/nccl_faults.jsonl`` when OUT is set)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--results", help="JSONL file to append to (default: $OUT/nccl_faults.jsonl when OUT is set)")
+    args = p.parse_args(argv)
+    if args.results is None and os.environ.get("OUT"):
+        args.results = os.path.join(os.environ["OUT"], "nccl_faults.jsonl")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     root = Path(os.environ.get("OUT", tempfile.mkdtemp())) / "nccl_faults"
     root.mkdir(parents=True, exist_ok=True)
     cases = [
@@ -92,7 +101,11 @@ def main() -> None:
         lambda: sigterm(root),
     ]
     for case in cases:
-        print(json.dumps(case()), flush=True)
+        line = json.dumps(case())
+        print(line, flush=True)
+        if args.results:
+            with open(args.results, "a") as handle:
+                handle.write(line + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Benchmark of the pair planner: per-step balance and planning time on realistic length mixes.
 
 Usage:
-    python scripts/bench_sampler.py [--pairs 1000000] [--pairs-per-rank 8] [--budget-pairs-per-rank 32]
+    python -m benchmarks.sampler [--pairs 1000000] [--pairs-per-rank 8] [--budget-pairs-per-rank 32]
 
 Prints two markdown tables (fixed count, then token budget). Balance is ``max / mean`` of the loads (summed pair
 costs) within one step: over ranks ("rank"), over the micro-batches of one rank ("mb"), and over ranks for the same

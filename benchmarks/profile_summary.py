@@ -1,6 +1,6 @@
 """Summary of a ``torch.profiler`` trace of one optimizer step: host syncs by region and origin, top ops.
 
-Used by ``scripts/bench_dpo.py --profile``. The bench marks the step with ``record_function`` regions whose names
+Used by ``python -m benchmarks.dpo --profile``. The bench marks the step with ``record_function`` regions whose names
 start with ``bench::`` (``bench::step``, ``bench::microbatch``, ``bench::optimizer.step``, ``bench::after_optimizer``);
 every event is attributed to the innermost region whose time interval contains its start (so backward ops, which run
 on the autograd thread, are attributed too).
@@ -41,7 +41,7 @@ REGION_PREFIX = "bench::"
 OUTSIDE = "(outside bench regions)"
 MICROBATCH_REGIONS = ("bench::microbatch",)
 _TORCH_FRAMES = ("torch/", "<built-in", "threading.py", "contextlib.py", "<frozen")
-OWNERS = ("pair_dpo_trainer", "bench_dpo", "transformers", "accelerate", "deepspeed")
+OWNERS = ("pair_dpo_trainer", "benchmarks", "transformers", "accelerate", "deepspeed")
 """Code owners a sync is attributed to: the package of the innermost Python frame outside torch."""
 
 

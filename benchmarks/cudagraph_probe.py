@@ -13,9 +13,9 @@ of the per-sequence log-probs, ``grad_cosine``, ``dynamo_graphs``, ``seconds``) 
 ``$OUT/probe.jsonl``.
 
 Examples:
-    python scripts/probe_cudagraph_layers.py                       # GPU: inductor, reduce-overhead
-    python scripts/probe_cudagraph_layers.py --mark-step           # the same with cudagraph_mark_step_begin()
-    python scripts/probe_cudagraph_layers.py --backend aot_eager --mode default --budget 256   # CPU smoke test
+    python -m benchmarks.cudagraph_probe                       # GPU: inductor, reduce-overhead
+    python -m benchmarks.cudagraph_probe --mark-step           # the same with cudagraph_mark_step_begin()
+    python -m benchmarks.cudagraph_probe --backend aot_eager --mode default --budget 256   # CPU smoke test
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""Results of ``scripts/bench_dpo.py``: the ``RESULT``/``CEILING`` JSON lines, the markdown summary table, ratios.
+"""Results of ``benchmarks.dpo`` and ``benchmarks.trl_dpo``: the ``RESULT``/``CEILING`` JSON lines, the markdown
+summary table, per-GPU ratios.
 
 Standalone (no torch import, so it is fast at the end of a device call)::
 
-    python3 scripts/bench_report.py $OUT/results.jsonl --ratio ours_compile trl_sdpa --ratio ours_z3 ours_1gpu
-    python3 scripts/bench_report.py $OUT/results.jsonl --also /tmp/other_results.jsonl --ratio a b
+    python3 -m benchmarks.report $OUT/results.jsonl --ratio ours_compile trl_sdpa --ratio ours_z3 ours_1gpu
+    python3 -m benchmarks.report $OUT/results.jsonl --also /tmp/other_results.jsonl --ratio a b
 
 A ``--ratio`` operand is ``TAG`` (the run's main row: ``impl`` ``pair_dpo``, or a TRL row) or ``TAG:IMPL`` (e.g.
 ``ours:pair_dpo_ceiling``); tok/s is the mean of ``real_tok_s_gpu`` over the ranks' rows, so the ratio is per GPU.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -86,9 +88,32 @@ def ratio_line(rows: list[dict[str, Any]], num: str, den: str) -> str:
     return f"RATIO {num}/{den} = {a[0] / b[0]:.3f} per GPU ({a[0]:.0f} / {b[0]:.0f} tok/s; {a[1]} and {b[1]} rank rows)"
 
 
+def memory_lines(rows: list[dict[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[str]:
+    """``MEM`` lines (peak memory, micro-batches per step) of the main rows the ``pairs`` name, then ``MEM RATIO
+    a/b`` of peak allocated and reserved GiB (rank 0 rows)."""
+    main = {r.get("tag"): r for r in rows if r.get("impl") == "pair_dpo" and r.get("rank", 0) == 0}
+    lines = []
+    for tag in dict.fromkeys(t for pair in pairs for t in pair):
+        if tag in main:
+            r = main[tag]
+            lines.append(
+                f"MEM {tag}: peak_alloc {r.get('peak_alloc_gib')} GiB, reserved {r.get('peak_reserved_gib')} GiB, "
+                f"micro-batches/step {r.get('microbatches_per_step_mean')} (max {r.get('microbatches_per_step_max')}), "
+                f"max row {r.get('microbatch_tokens_max')}, alloc_conf {r.get('alloc_conf')}"
+            )
+    for a, b in pairs:
+        if a in main and b in main and main[b].get("peak_alloc_gib") and main[b].get("peak_reserved_gib"):
+            alloc = main[a]["peak_alloc_gib"] / main[b]["peak_alloc_gib"]
+            reserved = main[a]["peak_reserved_gib"] / main[b]["peak_reserved_gib"]
+            lines.append(f"MEM RATIO {a}/{b}: alloc {alloc:.3f}, reserved {reserved:.3f}")
+        else:
+            lines.append(f"MEM RATIO {a}/{b}: missing rows or memory fields")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> None:
     """Prints the summary table of a results file, then the requested per-GPU ratios."""
-    p = argparse.ArgumentParser(description="summary table and per-GPU ratios of bench_dpo results")
+    p = argparse.ArgumentParser(description="summary table and per-GPU ratios of benchmark results")
     p.add_argument("results", help="results JSONL (its rows make the table)")
     p.add_argument("--also", action="append", default=[], help="more JSONL files whose rows --ratio may use")
     p.add_argument("--ratio", nargs=2, action="append", default=[], metavar=("NUM", "DEN"))
