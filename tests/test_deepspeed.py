@@ -24,7 +24,7 @@ from tests.launch import accelerate_launch
 from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the module's one ZeRO-3 launch (40-60 s)
 ROOT = Path(__file__).resolve().parents[1]
 
 DS_CONFIG = {

@@ -17,7 +17,7 @@ import torch
 from tests.dist_worker import NUM_PAIRS, OBJECTIVE_RUNS, run_layout, run_objectives
 from tests.ports import free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the module's one 2-process launch (40-60 s)
 ROOT = Path(__file__).resolve().parents[1]
 
 
