@@ -275,6 +275,32 @@ def test_the_fingerprint_of_memory_mapped_pairs_equals_that_of_the_lists(tmp_pat
     assert dataset_fingerprint(built.dataset) == dataset_fingerprint(lists)
 
 
+def _rss_file_mib() -> float:
+    for line in open("/proc/self/status"):
+        if line.startswith("RssFile:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no RssFile in /proc/self/status")
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
+def test_the_rows_fingerprint_of_a_large_memory_mapped_dataset_is_read_by_a_child(tmp_path, monkeypatch):
+    from pair_dpo_trainer.data import arrow
+
+    path = tmp_path / "raw.arrow"
+    schema = pa.schema([("prompt", pa.string())])
+    batch = pa.RecordBatch.from_pylist([{"prompt": "7 " * 5000}] * 1000, schema=schema)
+    arrow.write_stream(path, schema, [batch] * 20)  # 200 MB
+    dataset = arrow.open_arrow(path)
+    monkeypatch.setattr(arrow, "CHILD_HASH_BYTES", 1 << 20)
+    before = _rss_file_mib()
+    in_child = arrow.content_fingerprint(dataset)
+    after_child = _rss_file_mib()
+    inline = arrow._content_fingerprint(dataset)
+    after_inline = _rss_file_mib()
+    assert in_child == inline
+    assert after_child - before < 50 < after_inline - after_child  # the pages were read in the child
+
+
 # ------------------------------------------------------------------------------------------------ streamed inputs
 
 
@@ -372,8 +398,8 @@ def test_files_changed_just_before_the_proof_are_left_out(snapshot, monkeypatch)
     assert proof.files == () and verify_with_proof(snapshot, DEMO_REVISION, proof)[1] == len(verified.files)
 
 
-def test_a_random_row_order_needs_no_python_list_per_pair(tmp_path, tok):
-    """The trainer's train set is Arrow: rows are read through the memory map, not held as lists of ints."""
+def test_the_pairs_are_int32_arrow_columns_read_row_by_row(tmp_path, tok):
+    """The trainer's pairs are Arrow columns: a row is read through the memory map, not held as lists of ints."""
     built = _build(_rows(30), tok, tmp_path / "cache")
     table = built.dataset.data
     assert all(table.schema.field(c).type == pa.list_(pa.int32()) for c in FEATURE_COLUMNS)

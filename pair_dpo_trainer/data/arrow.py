@@ -13,6 +13,7 @@ Reading without materialising: :func:`arrow_lengths` and :func:`content_fingerpr
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -28,6 +29,9 @@ IDS_TYPE = pa.list_(pa.int32())
 
 SCAN_ROWS = 8192
 """Rows per batch when a dataset is scanned (lengths, fingerprints)."""
+
+CHILD_HASH_BYTES = 64 * 1024 * 1024
+"""Above this many bytes of Arrow data, :func:`content_fingerprint` reads the dataset in a forked child."""
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,18 @@ def content_fingerprint(dataset: Any) -> str:
     Equal fingerprints mean equal rows (IPC is a lossless encoding of the values, nulls and types); a change in any
     value, row, column or type changes it. The same rows stored differently (other chunking, another Arrow version)
     may give another fingerprint: a cache keyed by it then misses, it never returns another dataset's result.
+
+    A dataset of more than :data:`CHILD_HASH_BYTES` is read by a forked child process: the pages of a memory-mapped
+    dataset that the hashing reads then count in the child's memory, not in this process's (every rank computes the
+    fingerprint of a raw dataset that only its node's local main converts).
     """
+    inline = "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon
+    if inline or dataset.data.nbytes <= CHILD_HASH_BYTES:
+        return _content_fingerprint(dataset)
+    return _in_forked_child(_content_fingerprint, dataset)
+
+
+def _content_fingerprint(dataset: Any) -> str:
     digest = hashlib.sha256(b"pair_dpo_trainer.rows/1\n")
     digest.update(dataset.features.arrow_schema.serialize())
     digest.update(f"{len(dataset)}\n".encode())
@@ -173,3 +188,30 @@ def content_fingerprint(dataset: Any) -> str:
         for batch in table.to_batches():
             digest.update(batch.serialize())
     return digest.hexdigest()
+
+
+def _in_forked_child(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` computed in a forked child (``args`` inherited, not pickled); its exception is raised here."""
+    from pair_dpo_trainer.portable import freeze_exception, thaw_exception
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def target() -> None:
+        try:
+            send.send((True, fn(*args)))
+        except BaseException as exc:  # raised in the parent, as itself
+            send.send((False, freeze_exception(exc)))
+
+    child = context.Process(target=target, daemon=True)
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError as exc:
+        raise RuntimeError(f"the process computing {fn.__name__} died (exit code {child.exitcode})") from exc
+    finally:
+        child.join()
+    if not ok:
+        raise thaw_exception(value)
+    return value

@@ -66,7 +66,7 @@ def ordered_map(fn: Callable[[T], R], tasks: Iterable[T], *, num_proc: int) -> I
     """
     stream = iter(tasks)
     head = list(itertools.islice(stream, 2))
-    if num_proc <= 1 or len(head) < 2:
+    if num_proc <= 1 or len(head) < 2 or multiprocessing.current_process().daemon:  # a daemon cannot fork workers
         for task in itertools.chain(head, stream):
             yield fn(task)
         return
