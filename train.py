@@ -13,6 +13,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, HfArgumentParser
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
+from pair_dpo_trainer.allocator import default_cuda_allocator
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.modeling.paths import require_model_directory
@@ -77,6 +78,7 @@ def _is_bundled(path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    default_cuda_allocator()  # expandable_segments:True unless PYTORCH_CUDA_ALLOC_CONF is set (before CUDA starts)
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     if _is_bundled(model_args.model_name_or_path) and not config.reference_free and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision

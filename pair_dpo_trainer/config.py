@@ -1,8 +1,10 @@
 """``PairDPOConfig``: every option of pair DPO as a plain ``TrainingArguments`` field.
 
-Batch semantics (identical to the Trainer's, read in pairs): one optimizer step takes
-``per_device_train_batch_size * gradient_accumulation_steps`` pairs on every data-parallel rank, split into exactly
-``gradient_accumulation_steps`` packed micro-batches; the global step has ``world_size`` times that many pairs.
+Batch semantics (read in pairs): one optimizer step takes ``per_device_train_batch_size * gradient_accumulation_steps``
+pairs on every data-parallel rank; the global step has ``world_size`` times that many pairs. Without a budget they are
+split into exactly ``gradient_accumulation_steps`` packed micro-batches (the Trainer's own accumulation). With
+``max_tokens_per_microbatch`` (and ``gradient_accumulation_steps=1``) they are packed into micro-batches of at most that
+many tokens, as many as the busiest rank of the step needs, the same count on every rank.
 
 All validation is in ``__post_init__``: every problem is collected and a single :class:`ConfigError` names them all.
 An unsupported combination raises; nothing silently falls back.
@@ -80,11 +82,24 @@ class PairDPOConfig(TrainingArguments):
     max_prompt_length: int = field(
         default=512, metadata={"help": "Maximum prompt tokens; longer prompts keep their end (left truncation)."}
     )
+    # Token-budget micro-batches (issue 15): the step's pairs packed by tokens instead of split into a fixed count.
     max_tokens_per_microbatch: int | None = field(
         default=None,
         metadata={
-            "help": "Token budget of one packed micro-batch; a pair whose two sequences exceed it is rejected "
-            "with reason code 'pair_too_long'. None: no budget."
+            "help": "Token budget of one packed micro-batch (its row length: 2 x prompt + chosen + rejected summed "
+            "over its pairs). Set: per_device_train_batch_size is the pairs per GPU per optimizer step, "
+            "gradient_accumulation_steps must be 1, and each step's pairs are packed into as many micro-batches of "
+            "<= this many tokens as the busiest rank needs (the same count on every rank); eval micro-batches keep "
+            "to it too; a longer pair is rejected ('pair_too_long'). None: exactly gradient_accumulation_steps "
+            "micro-batches per step, sized by pair count."
+        },
+    )
+    pad_to_budget: bool = field(
+        default=False,
+        metadata={
+            "help": "With max_tokens_per_microbatch: pad every packed row to exactly that many tokens with a "
+            "zero-weight filler segment, so every micro-batch has one shape (for torch_compile and the allocator; "
+            "costs the padded tokens' compute)."
         },
     )
     attn_backend: str = field(
@@ -114,8 +129,8 @@ class PairDPOConfig(TrainingArguments):
     ref_offload_params: bool | None = field(
         default=None,
         metadata={
-            "help": "DeepSpeed ZeRO-3 only: keep the reference engine's parameters in CPU memory (True) or on the "
-            "accelerator (False). None: the same offload_param setting as the policy."
+            "help": "DeepSpeed ZeRO-3 or FSDP2 only: keep the sharded reference's parameters in CPU memory (True) or "
+            "on the accelerator (False). None: the same setting as the policy (offload_param / fsdp_offload_params)."
         },
     )
     ref_zero_stage: int | None = field(
@@ -152,6 +167,15 @@ class PairDPOConfig(TrainingArguments):
             "help": "Directory of the tokenised-pairs cache (Arrow files keyed by the rows, the tokenizer and the "
             "limits, reused by later runs; safe to delete when no run uses it). None: "
             "$HF_DATASETS_CACHE/pair_dpo_trainer/pairs."
+        },
+    )
+    # issue 17: FSDP2 reference layout.
+    ref_fsdp_shard: bool | None = field(
+        default=None,
+        metadata={
+            "help": "FSDP2 only: shard the frozen reference with fully_shard per decoder layer (True; inference-only: "
+            "no gradients, no optimizer state) or replicate it on every rank in the compute dtype (False: no "
+            "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
         },
     )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
@@ -227,8 +251,10 @@ class PairDPOConfig(TrainingArguments):
                 )
             )
         problems.extend(self._reference_engine_problems())
+        problems.extend(self._fsdp_problems())
         problems.extend(self._length_problems())
         problems.extend(self._compile_problems())
+        problems.extend(self._budget_problems())
         problems.extend(self._data_scale_problems())
         if self.attn_backend not in ATTN_BACKENDS:
             problems.append(
@@ -259,10 +285,55 @@ class PairDPOConfig(TrainingArguments):
             ]
         return []
 
+    def _fsdp_problems(self) -> list[tuple[str, str]]:
+        """``ref_fsdp_shard``; the checks that need the FSDP plugin are in ``modeling.fsdp2`` and ``reference.fsdp``."""
+        shard = self.ref_fsdp_shard
+        if shard is not None and not isinstance(shard, bool):
+            return [
+                ("bad_ref_fsdp_shard", f"ref_fsdp_shard={shard!r}: use None (shard like the policy), True or False.")
+            ]
+        if shard is False and self.ref_offload_params:
+            return [
+                (
+                    "unsupported_combination",
+                    "ref_fsdp_shard=False replicates the reference on every accelerator, but ref_offload_params=True "
+                    "offloads the parameters of a sharded reference: set one of them differently.",
+                )
+            ]
+        return []
+
     def _compile_problems(self) -> list[tuple[str, str]]:
         """``torch_compile`` compiles the decoder layers with dynamic shapes (``modeling.compile``): no CUDA graphs."""
         problem = compile_mode_problem(self.torch_compile_mode)
         return [] if problem is None else [("unsupported_combination", problem)]
+
+    def _budget_problems(self) -> list[tuple[str, str]]:
+        """``max_tokens_per_microbatch`` / ``pad_to_budget`` (issue 15)."""
+        budget = self.max_tokens_per_microbatch
+        if budget is None:
+            if self.pad_to_budget:
+                return [
+                    (
+                        "unsupported_combination",
+                        "pad_to_budget=True pads rows to max_tokens_per_microbatch, which is not set: set "
+                        "max_tokens_per_microbatch (e.g. 16384) or pad_to_budget=False.",
+                    )
+                ]
+            return []
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+            return [("bad_length", f"max_tokens_per_microbatch={budget!r}: set a positive integer or None.")]
+        if self.gradient_accumulation_steps != 1:
+            return [
+                (
+                    "unsupported_combination",
+                    f"max_tokens_per_microbatch={budget} sizes the micro-batches by tokens, so their number per step "
+                    "follows from the budget, not from gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps}: "
+                    "set gradient_accumulation_steps=1 and per_device_train_batch_size to the pairs per GPU per "
+                    f"optimizer step (here {self.pairs_per_rank_per_step}), or unset max_tokens_per_microbatch.",
+                )
+            ]
+        return []
 
     def _data_scale_problems(self) -> list[tuple[str, str]]:
         """``dataset_num_proc``: None or a positive worker count."""
@@ -284,8 +355,6 @@ class PairDPOConfig(TrainingArguments):
                     f"({self.max_length}) so every completion keeps at least one token.",
                 )
             )
-        if self.max_tokens_per_microbatch is not None and self.max_tokens_per_microbatch <= 0:
-            problems.append(("bad_length", "max_tokens_per_microbatch must be > 0 or None."))
         if self.logps_chunk_size <= 0:
             problems.append(("bad_length", f"logps_chunk_size={self.logps_chunk_size}: set a value > 0."))
         if self.per_device_train_batch_size < 1:

@@ -16,7 +16,9 @@ forward hooks fire, with ``logits_to_keep`` set to an empty index (the model's o
 rows); the final hidden states are captured by a forward hook on ``model.get_decoder()``. When the head weight
 is a partitioned ZeRO-3 parameter (it has ``ds_id``), the chunked computation runs inside ONE call of the head module
 so that DeepSpeed gathers it exactly once per forward on every rank (:func:`module_chunked_token_logps`;
-``tests/test_deepspeed.py`` gives the ranks different numbers of chunks).
+``tests/test_deepspeed.py`` gives the ranks different numbers of chunks). Under FSDP2 the chunked computation runs
+inside the model's own call of the head instead (:func:`in_forward_token_logps`): that is where FSDP2 has the
+unsharded weight, once per forward on every rank (``tests/test_fsdp2.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pair_dpo_trainer.collators.packed import CHOSEN, IGNORE_INDEX, REJECTED, Pa
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs, unwrap_model
+from pair_dpo_trainer.modeling.fsdp2 import is_fsdp_managed
 
 DEFAULT_CHUNK_SIZE = 4096
 """Rows of hidden states projected onto the vocabulary at once."""
@@ -181,6 +184,50 @@ def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
+def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
+    """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)."""
+    target = unwrap_model(model)
+    implementation = str(target.config._attn_implementation)
+    if implementation != PAIR_VARLEN and not implementation.startswith("flash_attention"):
+        raise ConfigError(
+            "attn_not_varlen",
+            f"packed forwards need attn_implementation={PAIR_VARLEN!r} (enable_pair_varlen(model)), "
+            f"got {implementation!r}",
+        )
+    return target
+
+
+def in_forward_token_logps(
+    model: torch.nn.Module, head: torch.nn.Module, batch: PackedPairBatch, targets: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """Per-token log-probs of the scored positions, computed inside the model's own (single) call of ``head``.
+
+    For FSDP2 modules: outside its unit's forward the head weight is a sharded DTensor; inside it is the all-gathered
+    weight, and FSDP's hooks (all-gather, reshard, the backward pre-hook that gathers it again) fire once, as for any
+    forward. The model selects the scored rows itself (``logits_to_keep=batch.completion_positions``, ``[1, P, H]``)
+    and its head call returns :func:`chunked_token_logps` of them instead of logits: ``[P]`` float32, not a view
+    (FSDP warns about view outputs).
+
+    Args:
+        model: The (FSDP2-sharded) causal LM with ``pair_varlen`` attention.
+        head: Its output embedding (:func:`check_supported_head`).
+        batch: Packed micro-batch on the model's device.
+        targets: ``[P]`` int64 target ids of ``batch.completion_positions``.
+        chunk_size: Rows per chunk.
+    """
+    _check_varlen(model)
+
+    def chunked_forward(rows: torch.Tensor) -> torch.Tensor:
+        return chunked_token_logps(rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size)
+
+    head.forward = chunked_forward  # an instance attribute shadows the class method for this one forward
+    try:
+        output = model(**packed_forward_kwargs(batch), logits_to_keep=batch.completion_positions)
+    finally:
+        del head.forward
+    return output.logits.reshape(-1)
+
+
 def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torch.Tensor:
     """Run the packed forward and return the final (post-norm) hidden states ``[1, T, H]``.
 
@@ -192,14 +239,7 @@ def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torc
             implementation, which also honours ``cu_seq_lens_q``): other implementations would let packed
             sequences attend to each other or build a dense ``[T, T]`` mask.
     """
-    target = unwrap_model(model)
-    implementation = str(target.config._attn_implementation)
-    if implementation != PAIR_VARLEN and not implementation.startswith("flash_attention"):
-        raise ConfigError(
-            "attn_not_varlen",
-            f"packed forwards need attn_implementation={PAIR_VARLEN!r} (enable_pair_varlen(model)), "
-            f"got {implementation!r}",
-        )
+    target = _check_varlen(model)
     captured: list[torch.Tensor] = []
 
     def _capture(_module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -232,15 +272,18 @@ def packed_sequence_logps(
         ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
     """
     head = check_supported_head(model)
-    hidden = packed_hidden_states(model, batch)
     positions = batch.completion_positions
-    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
     targets = batch.labels.reshape(-1).index_select(0, positions)
     sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
-    if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
-        token_logps = module_chunked_token_logps(head, rows, targets, chunk_size)
+    if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
+        token_logps = in_forward_token_logps(model, head, batch, targets, chunk_size)
     else:
-        token_logps = chunked_token_logps(rows, head.weight, targets, chunk_size)
+        hidden = packed_hidden_states(model, batch)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
+            token_logps = module_chunked_token_logps(head, rows, targets, chunk_size)
+        else:
+            token_logps = chunked_token_logps(rows, head.weight, targets, chunk_size)
     sums = token_logps.new_zeros(batch.pair_index.shape[0])
     return sums.index_add(0, sequences, token_logps)
 
@@ -279,6 +322,7 @@ __all__ = [
     "IGNORE_INDEX",
     "check_supported_head",
     "chunked_token_logps",
+    "in_forward_token_logps",
     "module_chunked_token_logps",
     "naive_token_logps",
     "packed_hidden_states",

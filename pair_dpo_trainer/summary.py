@@ -16,9 +16,20 @@ def reference_mode(args: Any, source: Any) -> str:
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
 
 
-def run_summary(args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes: tuple[str, ...] = ()) -> str:
-    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, and
-    the ZeRO-3 leaf module classes when there are any.
+def _microbatches(args: Any) -> str:
+    """How a rank's pairs of a step are split: a fixed count, or the token budget (``pad_to_budget`` noted)."""
+    budget = getattr(args, "max_tokens_per_microbatch", None)
+    if budget is None:
+        return f"{args.gradient_accumulation_steps} micro-batches"
+    padded = ", padded to it" if getattr(args, "pad_to_budget", False) else ""
+    return f"micro-batches of <= {budget} tokens{padded}"
+
+
+def run_summary(
+    args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes: tuple[str, ...] = (), fsdp2: bool = False
+) -> str:
+    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, the
+    ZeRO-3 leaf module classes when there are any, and FSDP2 with the reference's layout when it runs.
 
     Example:
         ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
@@ -26,8 +37,11 @@ def run_summary(args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes
     """
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
     leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
+    if fsdp2:
+        layout = "replicated (ref_fsdp_shard=False)" if getattr(args, "ref_fsdp_shard", None) is False else "sharded"
+        leaves += " | FSDP2" + ("" if args.reference_free or args.precompute_ref_logps else f", reference {layout}")
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
-        f"{args.gradient_accumulation_steps} micro-batches) | attention {attn_backend} | "
+        f"{_microbatches(args)}) | attention {attn_backend} | "
         f"reference {reference_mode(args, source)} | loss {args.loss_type}, beta={args.beta}{leaves}"
     )

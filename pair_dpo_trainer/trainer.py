@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
 
+from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
 from pair_dpo_trainer.distributed import assert_ranks_agree
@@ -37,12 +39,13 @@ from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
-from pair_dpo_trainer.samplers import PairBatchSampler
+from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.summary import run_summary
 
@@ -92,7 +95,10 @@ class PairDPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=PackedPairCollator(pad_token_id=processing_class.pad_token_id or 0),
+            data_collator=PackedPairCollator(
+                pad_token_id=processing_class.pad_token_id or 0,
+                pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
+            ),
             train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
             eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),
             processing_class=processing_class,
@@ -110,14 +116,23 @@ class PairDPOTrainer(Trainer):
             ref_model=ref_model,
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
             mixed_precision=str(self.accelerator.mixed_precision),
+            fsdp_plugin=self.fsdp_plugin,
         )
         self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
-        self._train_sampler: PairBatchSampler | None = None
+        self._train_sampler: PairBatchSampler | PairStepSampler | None = None
         self._flop_params: int | None = None
         if args.torch_compile:
             self._take_over_compile()
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """The Trainer's Accelerator, then FSDP2 as asked (``modeling.fsdp2.setup_fsdp2``): installed where Accelerate
+        drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
+        check_fsdp_version(self.args)
+        super().create_accelerator_and_postprocess()
+        self.fsdp_plugin = setup_fsdp2(self.accelerator, self.args)
+        self.is_fsdp_enabled = self.fsdp_plugin is not None
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
@@ -128,7 +143,7 @@ class PairDPOTrainer(Trainer):
             tokenizer,
             max_length=args.max_length,
             max_prompt_length=args.max_prompt_length,
-            max_pair_tokens=args.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
             desc=desc,
             **data_scale_options(args),
@@ -160,6 +175,7 @@ class PairDPOTrainer(Trainer):
                 attn_backend=self.attn_backend,
                 source=self.reference_source,
                 zero3_leaf_classes=self.zero3_leaf_classes,
+                fsdp2=self.fsdp_plugin is not None,
             )
             print(summary, flush=True)
         return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
@@ -214,6 +230,14 @@ class PairDPOTrainer(Trainer):
             datasets["eval"] = self.eval_dataset
         return datasets
 
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """``Trainer.save_model``; under FSDP2 the final save (not a checkpoint's) always writes full weights, also
+        when checkpoints are ``SHARDED_STATE_DICT`` (for which the Trainer's own final save writes none)."""
+        if self.fsdp_plugin is None or _internal_call:
+            return super().save_model(output_dir, _internal_call)
+        with full_state_dict(self.fsdp_plugin):
+            return super().save_model(output_dir, _internal_call)
+
     def _save_checkpoint(self, model, trial) -> None:
         """Saves the checkpoint, then writes the reference identity beside it (atomically)."""
         super()._save_checkpoint(model, trial)
@@ -223,19 +247,17 @@ class PairDPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
-        """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding)."""
-        args = self.args
-        sampler = PairBatchSampler(
-            self._costs(self.train_dataset),
-            world_size=args.world_size,
-            rank=args.process_index,
-            pairs_per_rank=args.pairs_per_rank_per_step,
-            microbatches=args.gradient_accumulation_steps,
-            seed=args.data_seed if args.data_seed is not None else args.seed,
-        )
+        """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding).
+
+        With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
+        step, see ``accumulation``)."""
+        sampler = train_sampler(self._costs(self.train_dataset), self.args)
         assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
         self._train_sampler = sampler
-        return self._loader(self.reference_manager.attach(self.train_dataset), sampler, PairDataLoader)
+        dataset = self.reference_manager.attach(self.train_dataset)
+        if isinstance(sampler, PairStepSampler):
+            return self._loader(StepPairs(dataset), sampler, PairDataLoader, StepCollator(self.data_collator))
+        return self._loader(dataset, sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
@@ -247,16 +269,17 @@ class PairDPOTrainer(Trainer):
             world_size=self.args.world_size,
             rank=self.args.process_index,
             pairs_per_microbatch=self.args.per_device_eval_batch_size,
+            max_tokens_per_microbatch=self.args.max_tokens_per_microbatch,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
         return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, DataLoader)
 
-    def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader]) -> DataLoader:
+    def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader], collate_fn: Any = None) -> DataLoader:
         workers = self.args.dataloader_num_workers
         return cls(
             dataset,
             batch_sampler=batch_sampler,
-            collate_fn=self.data_collator,
+            collate_fn=collate_fn or self.data_collator,
             num_workers=workers,
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
@@ -279,10 +302,22 @@ class PairDPOTrainer(Trainer):
                 break
         return batch_samples, self._train_sampler.global_pairs_per_step
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """HF's micro-batch ``training_step``; a whole token-budget step (``StepBatch``) runs each of its micro-batches
+        through it, gradients synchronised after the last (``accumulation.run_step``)."""
+        if isinstance(inputs, StepBatch):
+            return run_step(
+                inputs,
+                accelerator=self.accelerator,
+                model=model,
+                microbatch_step=lambda batch: self.training_step(model, batch, num_items_in_batch),
+            )
+        return super().training_step(model, inputs, num_items_in_batch)
+
     def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
         return inputs.to(self.args.device, non_blocking=True)
 
-    def floating_point_ops(self, inputs: PackedPairBatch) -> int:
+    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
 
         N (non-embedding parameters, ZeRO-3 partitions counted whole) is counted once and cached: this runs per
@@ -324,6 +359,7 @@ class PairDPOTrainer(Trainer):
     ) -> EvalLoopOutput:
         """Runs the packed eval forwards and returns pair-weighted metrics reduced over ranks."""
         model = self._wrap_model(self.model, training=False, dataloader=dataloader)
+        check_evaluable(self.fsdp_plugin, model)
         if len(self.accelerator._models) == 0 and model is self.model and self.is_deepspeed_enabled:
             model = self.accelerator.prepare_model(model, evaluation_mode=True)
         model.eval()

@@ -15,28 +15,28 @@ from bench_common import VOCAB, Probe, dynamo_graphs, graph_fields, memory_field
 from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.samplers import PairBatchSampler
+from pair_dpo_trainer.samplers import PairStepSampler
 
 BenchTrainer = Any  # bench_dpo.BenchTrainer (a PairDPOTrainer); not imported: bench_dpo imports this module
 
 
-def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[Any]:
-    """Per optimizer step: ALL pairs this rank's schedule gives the step, as one packed row on the device."""
+def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[list[Any]]:
+    """Per optimizer step, on the device: ALL pairs this rank's schedule gives the step as ONE packed row; with a
+    token budget the step's micro-batch rows as the trainer ran them (each ``<= max_tokens_per_microbatch``)."""
     args = trainer.args
-    sampler = PairBatchSampler(
+    steps = PairStepSampler(
         pair_costs(trainer.train_dataset),
         world_size=args.world_size,
         rank=args.process_index,
         pairs_per_rank=args.pairs_per_rank_per_step,
-        microbatches=args.gradient_accumulation_steps,
+        microbatches=None if args.max_tokens_per_microbatch else args.gradient_accumulation_steps,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         seed=args.data_seed if args.data_seed is not None else args.seed,
     )
-    micro = list(sampler)
-    ga = args.gradient_accumulation_steps
     batches = []
-    for step in range(total_steps):
-        indices = [i for mb in micro[step * ga : (step + 1) * ga] for i in mb]
-        batches.append(trainer.data_collator([trainer.train_dataset[i] for i in indices]).to(args.device))
+    for step in list(steps)[:total_steps]:
+        rows = step if args.max_tokens_per_microbatch else [[i for mb in step for i in mb]]
+        batches.append([trainer.data_collator([trainer.train_dataset[i] for i in row]).to(args.device) for row in rows])
     return batches
 
 
@@ -73,7 +73,7 @@ def shape_batches(trainer: BenchTrainer, docs: int, length: int, steps: int, see
             }
             for _ in range(docs // 2)
         ]
-        batches.append(trainer.data_collator(pairs).to(trainer.args.device))
+        batches.append([trainer.data_collator(pairs).to(trainer.args.device)])
     return batches
 
 
@@ -91,11 +91,13 @@ def compile_for_ceiling(args: argparse.Namespace, trainer: BenchTrainer) -> int:
     return compiled
 
 
-def raw_loop(ctx: dict[str, Any], trainer: BenchTrainer, batches: list[Any]) -> tuple[list[float], dict[str, Any]]:
-    """Times each batch: policy ``packed_sequence_logps`` forward + backward and the reference's no-grad forward
-    under bf16 autocast, CUDA sync around each step; no Trainer, NO optimizer step, no data loading. The first
-    ``--warmup`` steps (where ``--compile`` builds its graphs) are untimed. Returns the timed step times and the
-    compile fields of the row."""
+def raw_loop(
+    ctx: dict[str, Any], trainer: BenchTrainer, batches: list[list[Any]]
+) -> tuple[list[float], dict[str, Any]]:
+    """Times each step (a list of packed rows): policy ``packed_sequence_logps`` forward + backward and the reference's
+    no-grad forward of every row under bf16 autocast, CUDA sync around each step; no Trainer, NO optimizer step, no
+    data loading. The first ``--warmup`` steps (where ``--compile`` builds its graphs) are untimed. Returns the timed
+    step times and the compile fields of the row."""
     args, probe = ctx["args"], Probe(ctx["cuda"], None)
     _free_training_state(trainer)
     compiled_now = compile_for_ceiling(args, trainer)
@@ -104,14 +106,16 @@ def raw_loop(ctx: dict[str, Any], trainer: BenchTrainer, batches: list[Any]) -> 
     model.train()
     autocast = torch.autocast(trainer.args.device.type, dtype=torch.bfloat16, enabled=trainer.args.bf16)
     dts, graphs = [], []
-    for batch in batches:
+    for rows in batches:
         probe.sync()
         start = time.perf_counter()
-        with autocast:
-            policy = packed_sequence_logps(model, batch, chunk_size=chunk)
-            ref = trainer.reference.sequence_logps(batch) if args.reference == "online" else torch.zeros_like(policy)
-            loss = (policy - ref).sum()
-        loss.backward()
+        for batch in rows:
+            with autocast:
+                policy = packed_sequence_logps(model, batch, chunk_size=chunk)
+                online = args.reference == "online"
+                ref = trainer.reference.sequence_logps(batch) if online else torch.zeros_like(policy)
+                loss = (policy - ref).sum()
+            loss.backward()
         model.zero_grad(set_to_none=True)
         probe.sync()
         dts.append(time.perf_counter() - start)
@@ -124,23 +128,30 @@ def raw_loop(ctx: dict[str, Any], trainer: BenchTrainer, batches: list[Any]) -> 
 
 
 def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
-    """Raw loop (:func:`raw_loop`), same model and same real tokens per step in ONE packed row: all pairs this rank's
-    schedule gives each step, concatenated; policy forward + backward and the reference's no-grad forward."""
+    """Raw loop (:func:`raw_loop`), same model and same real tokens per step in ONE packed row (all pairs this rank's
+    schedule gives each step, concatenated), or with a budget in the step's micro-batch rows; policy forward +
+    backward and the reference's no-grad forward."""
     args = ctx["args"]
     batches = _step_batches(trainer, args.warmup + args.steps)
     timed, extra = raw_loop(ctx, trainer, batches)
     rows = batches[args.warmup :]
-    real = sum(int(b.num_tokens) for b in rows)
+    real = sum(_real_tokens(b) for step in rows for b in step)
     tok_s = real / sum(timed)
     return {
         **row_head(ctx, trainer, "pair_dpo_ceiling", tok_s),
         "bs_pairs": trainer.args.pairs_per_rank_per_step,
+        "ceiling_rows": "microbatches" if trainer.args.max_tokens_per_microbatch else "one row per step",
         **step_stats(timed),
         "real_tokens_per_step": round(real / len(rows), 1),
         **memory_fields(ctx["cuda"]),
         "step_s": [round(d, 3) for d in timed],
         **extra,
     }
+
+
+def _real_tokens(batch: Any) -> int:
+    """Tokens of a row's real sequences (a ``pad_to_budget`` pad segment not counted); host-side tensor."""
+    return int(batch.cu_seqlens[batch.num_sequences])
 
 
 def run_shape_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:

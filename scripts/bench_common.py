@@ -154,3 +154,19 @@ def graph_fields(graphs0: int, graphs: list[int], untimed: int) -> dict[str, int
     compile inside a timed step would be counted in its step time). ``graphs[i]`` is the count after step ``i``."""
     before = graphs[untimed - 1] if untimed > 0 else graphs0
     return {"dynamo_graphs_warmup": before - graphs0, "dynamo_graphs_timed": graphs[-1] - before}
+
+
+def fsdp_fields(trainer: Any) -> dict[str, Any]:
+    """``fsdp2``: whether the policy ran under FSDP2; ``reference_fsdp``: ``sharded`` / ``replicated`` (None when
+    there is no FSDP2 or no reference model); ``fsdp_param_dtype``: the dtype FSDP2 gathered parameters in."""
+    plugin = getattr(trainer, "fsdp_plugin", None)
+    if plugin is None:
+        return {"fsdp2": False, "reference_fsdp": None, "fsdp_param_dtype": None}
+    from torch.distributed.tensor import DTensor
+
+    reference = getattr(trainer.reference_manager.backend_if_built, "model", None)
+    layout = None
+    if isinstance(reference, torch.nn.Module):
+        layout = "sharded" if any(isinstance(p, DTensor) for p in reference.parameters()) else "replicated"
+    dtype = getattr(plugin.mixed_precision_policy, "param_dtype", None)
+    return {"fsdp2": True, "reference_fsdp": layout, "fsdp_param_dtype": str(dtype) if dtype else None}

@@ -27,6 +27,13 @@ around each step, the first ``--warmup`` steps untimed; NO optimizer step, no Tr
   (``cu_seqlens`` every LEN tokens, every non-first token scored), DOCS x LEN real tokens per step (``impl``
   ``pair_dpo_ceiling_shape``, tag ``<tag>_ceilingDOCSxLEN``).
 
+Token budget: ``--max-tokens-per-microbatch B`` sets ``PairDPOConfig.max_tokens_per_microbatch=B`` (``--bs`` is then
+the pairs per GPU per optimizer step, ``--ga`` must stay 1; ``--pad-to-budget`` pads every row to ``B``); ``--mix
+heavy`` draws the lengths of ``bench_sampler.py``'s heavy-tailed mix instead of TRL's workload. In budget runs
+``--ceiling`` times each step's micro-batch rows as the trainer ran them (rows of ``<= B`` tokens), not one row.
+Rows carry ``mix``, ``max_tokens_per_microbatch``, ``pad_to_budget``, ``microbatches_per_step_mean`` / ``_max`` and
+``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` as the process saw it).
+
 ``--compile`` sets ``torch_compile=True`` (the trainer compiles the policy's and the reference's decoder layers in
 ``train()``; the graphs are built in the first, untimed, step) and the ceiling loops compile the same layers with
 ``compile_decoder_layers`` before their warmup steps (a no-op when the trainer already did). Every row carries
@@ -40,8 +47,10 @@ Examples:
     python scripts/bench_dpo.py --tag ours --ceiling --ceiling-shape 16x1024
     python scripts/bench_dpo.py --tag ours_compile --compile --ceiling --ceiling-shape 16x1024
     python scripts/bench_dpo.py --tag ours_prof --profile          # writes $OUT/profile_summary.txt
-    python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --max-tokens-microbatch 16384
+    python scripts/bench_dpo.py --tag ours_1p5b --model-size 1.5b --bs-for-tokens 16384
+    python scripts/bench_dpo.py --tag heavy_b16k --model-size 1.5b --mix heavy --bs 32 --max-tokens-per-microbatch 16384
     accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2 scripts/bench_dpo.py --tag z3
+    accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 scripts/bench_dpo.py --tag fsdp2
     python scripts/bench_dpo.py --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
     python scripts/bench_dpo.py --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
 """
@@ -58,6 +67,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +75,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
+from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.trainer import PairDPOTrainer
@@ -76,6 +87,7 @@ from bench_common import (  # noqa: E402  (the helper beside this script)
     VOCAB,
     Probe,
     dynamo_graphs,
+    fsdp_fields,
     graph_fields,
     memory_fields,
     param_counts,
@@ -85,6 +97,7 @@ from bench_common import (  # noqa: E402  (the helper beside this script)
     timed_tokens,
 )
 from bench_report import emit, summary_table  # noqa: E402  (the helper beside this script)
+from bench_sampler import mix_lengths  # noqa: E402  (the helper beside this script)
 
 EOS_ID = 1
 PROCESS_START = time.perf_counter()
@@ -125,7 +138,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU allowed, 2 pairs x (2 + 3) steps")
     p.add_argument("--bs", "--per-device-train-batch-size", dest="bs", type=int, help="pairs per micro-batch (8)")
     p.add_argument("--ga", "--gradient-accumulation-steps", dest="ga", type=int, default=1)
-    p.add_argument("--max-tokens-microbatch", type=int, help="choose --bs so a micro-batch holds ~N real tokens")
+    p.add_argument("--bs-for-tokens", type=int, help="fixed split: choose --bs so a micro-batch holds ~N real tokens")
+    p.add_argument(
+        "--max-tokens-per-microbatch",
+        type=int,
+        help="PairDPOConfig.max_tokens_per_microbatch (token budget): --bs is then pairs per GPU per step, --ga 1",
+    )
+    p.add_argument("--pad-to-budget", action="store_true", help="PairDPOConfig.pad_to_budget (needs the budget)")
+    p.add_argument("--mix", choices=("trl", "heavy"), default="trl", help="trl: TRL's workload; heavy: heavy tail")
     p.add_argument("--steps", type=int, help="timed optimizer steps (30)")
     p.add_argument("--warmup", type=int, help="untimed first steps (5)")
     p.add_argument("--max-length", type=int, default=2048)
@@ -150,6 +170,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=(0, 3),
         help="PairDPOConfig.ref_zero_stage under DeepSpeed (0: replicated reference engine, 3: sharded; default: "
         "follow the policy), when this version of the package has the field",
+    )
+    p.add_argument(
+        "--ref-fsdp-shard",
+        choices=("true", "false"),
+        help="PairDPOConfig.ref_fsdp_shard under FSDP2 (true: reference sharded per decoder layer, false: replicated; "
+        "default: follow the policy, i.e. sharded)",
     )
     p.add_argument(
         "--zero3-leaf-modules",
@@ -189,6 +215,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.model_size = "tiny"
     if args.compile_mode is not None and not args.compile:
         p.error("--compile-mode needs --compile")
+    if args.max_tokens_per_microbatch and (args.ga != 1 or args.bs_for_tokens):
+        p.error("--max-tokens-per-microbatch packs the step by tokens: keep --ga 1 and drop --bs-for-tokens")
+    if args.pad_to_budget and not args.max_tokens_per_microbatch:
+        p.error("--pad-to-budget needs --max-tokens-per-microbatch")
     if args.results is None and os.environ.get("OUT"):
         args.results = os.path.join(os.environ["OUT"], "results.jsonl")
     return args
@@ -200,14 +230,17 @@ def _progress(args: argparse.Namespace, what: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------------- workload
-def make_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
-    """``n`` tokenised pairs, drawn exactly as ``trl_dpo_baseline.make_dataset`` draws them (same RNG call order).
+def make_pairs(n: int, seed: int, mix: str = "trl") -> list[dict[str, list[int]]]:
+    """``n`` tokenised pairs, drawn exactly as ``trl_dpo_baseline.make_dataset`` draws them (same RNG call order), or
+    with ``mix="heavy"`` the lengths of ``bench_sampler.py``'s heavy-tailed mix (pair cost up to 16,384).
 
     Example:
         >>> row = make_pairs(1, seed=0)[0]
         >>> row["chosen_input_ids"][-1], 32 <= len(row["prompt_input_ids"]) <= 512
         (1, True)
     """
+    if mix == "heavy":
+        return heavy_pairs(n, seed)
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
@@ -223,6 +256,21 @@ def make_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
     return rows
 
 
+def heavy_pairs(n: int, seed: int) -> list[dict[str, list[int]]]:
+    """``n`` pairs with ``bench_sampler.mix_lengths("heavy")``: prompt clip(lognormal(log 300, 1), 16, 4096), chosen /
+    rejected clip(lognormal(log 150, 1.5), 8, 4096), each ending with EOS; ids in [3, VOCAB)."""
+    rng = np.random.default_rng(seed)
+    lengths = zip(*(x.tolist() for x in mix_lengths("heavy", n, rng)), strict=True)
+    return [
+        {
+            "prompt_input_ids": rng.integers(3, VOCAB, lp).tolist(),
+            "chosen_input_ids": rng.integers(3, VOCAB, lc - 1).tolist() + [EOS_ID],
+            "rejected_input_ids": rng.integers(3, VOCAB, lr - 1).tolist() + [EOS_ID],
+        }
+        for lp, lc, lr in lengths
+    ]
+
+
 def make_tokenizer() -> Any:
     """The TRL script's word-level tokenizer (pad 0, EOS 1, unk 2); the trainer reads only its pad id."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -235,11 +283,11 @@ def make_tokenizer() -> Any:
 
 
 def pairs_per_microbatch(args: argparse.Namespace) -> int:
-    """``--bs``, or with ``--max-tokens-microbatch N`` the pair count whose mean packed row is ~N tokens."""
-    if not args.max_tokens_microbatch:
+    """``--bs``, or with ``--bs-for-tokens N`` the pair count whose mean packed row is ~N tokens."""
+    if not args.bs_for_tokens:
         return args.bs
-    mean_cost = float(np.mean(pair_costs(make_pairs(2048, args.seed))))
-    return max(1, round(args.max_tokens_microbatch / mean_cost))
+    mean_cost = float(np.mean(pair_costs(make_pairs(2048, args.seed, args.mix))))
+    return max(1, round(args.bs_for_tokens / mean_cost))
 
 
 def model_dims(size: str) -> dict[str, int]:
@@ -298,7 +346,8 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         logging_steps=10_000,
         save_strategy="no",
         report_to="none",
-        max_length=args.max_length,
+        max_length=8192 if args.mix == "heavy" else args.max_length,  # heavy: prompts and completions to 4096
+        max_prompt_length=4096 if args.mix == "heavy" else 512,
         dataloader_num_workers=args.workers,
         seed=args.seed,
         disable_tqdm=True,
@@ -306,6 +355,8 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         attn_backend=args.attn_backend,
         reference_free=args.reference == "free",
         logps_chunk_size=args.logps_chunk_size,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        pad_to_budget=args.pad_to_budget,
     )
     if args.compile:  # the trainer compiles the decoder layers at the start of train() (modeling/compile.py)
         kwargs.update(torch_compile=True, torch_compile_backend=args.compile_backend)
@@ -320,6 +371,10 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         kwargs["ref_zero_stage"] = args.ref_zero_stage
     if args.zero3_leaf_modules is not None:
         kwargs["zero3_leaf_modules"] = args.zero3_leaf_modules
+    if args.ref_fsdp_shard is not None:
+        if "ref_fsdp_shard" not in fields:
+            raise SystemExit("--ref-fsdp-shard needs PairDPOConfig.ref_fsdp_shard (not in this version)")
+        kwargs["ref_fsdp_shard"] = args.ref_fsdp_shard == "true"
     if args.reference == "precomputed":
         if "precompute_ref_logps" not in fields:
             raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
@@ -365,6 +420,8 @@ class BenchTrainer(PairDPOTrainer):
     probe: Probe
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if isinstance(inputs, StepBatch):  # a budget step: PairDPOTrainer calls this again for each micro-batch
+            return super().training_step(model, inputs, num_items_in_batch)
         seqs = inputs.num_sequences
         real = int(inputs.cu_seqlens.numpy()[seqs]) if inputs.cu_seqlens.device.type == "cpu" else inputs.num_tokens
         self.probe.tokens.append((self.state.global_step, real, inputs.num_tokens))
@@ -399,11 +456,13 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "padding_free_effective": True,
         "deepspeed": bool(trainer.is_deepspeed_enabled),
         "bs_pairs": ctx["bs"] * args.ga,
-        "micro_batch_pairs": ctx["bs"],
+        "micro_batch_pairs": None if args.max_tokens_per_microbatch else ctx["bs"],
         "grad_accum": args.ga,
+        **budget_fields(args, log, steps),
         "reference_backend": type(trainer.reference).__name__,
         "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
         "zero3_leaf_classes": list(getattr(trainer, "zero3_leaf_classes", ())),
+        **fsdp_fields(trainer),
         **step_stats(dts),
         "inner_step_median_s": round(statistics.median(inner), 4),
         "real_tokens_per_step": round(real / steps, 1),
@@ -424,6 +483,19 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "first_step_s": round(probe.ends[0] - probe.begins[0], 3) if probe.ends else None,
         **(graph_fields(probe.graphs0, probe.graphs, len(probe.ends) - steps) if probe.count_graphs else {}),
         "tf32_matmul": tf32_matmul(),
+    }
+
+
+def budget_fields(args: argparse.Namespace, log: list[tuple[int, int, int]], steps: int) -> dict[str, Any]:
+    """The mix, the budget options, micro-batches per timed step (mean / max) and the allocator setting."""
+    per_step = list(Counter(step for step, _, _ in log).values())
+    return {
+        "mix": args.mix,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "pad_to_budget": args.pad_to_budget,
+        "microbatches_per_step_mean": round(len(log) / steps, 2),
+        "microbatches_per_step_max": max(per_step),
+        "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
     }
 
 
@@ -454,7 +526,7 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     args = ctx["args"]
     ctx["bs"] = pairs_per_microbatch(args)
     total_steps = args.warmup + args.steps
-    pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed)
+    pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed, args.mix)
     model = build_model(args, ctx["device"])
     ctx["params"] = param_counts(model)
     ref_model = copy.deepcopy(model) if args.reference != "free" and args.ref_source == "explicit" else None
@@ -471,8 +543,10 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     )
     print(
         f"bench_dpo: rank {ctx['rank']} of world_size {config.world_size} (WORLD_SIZE={ctx['world']}), "
-        f"deepspeed={trainer.is_deepspeed_enabled}, model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
-        f"{ctx['bs']} pairs x {args.ga} micro-batches per step, attn backend {trainer.attn_backend}, "
+        f"deepspeed={trainer.is_deepspeed_enabled}, fsdp2={trainer.is_fsdp_enabled}, "
+        f"model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
+        f"{ctx['bs']} pairs x {args.ga} micro-batches per step (budget {args.max_tokens_per_microbatch}, mix "
+        f"{args.mix}), attn backend {trainer.attn_backend}, "
         f"reference={args.reference}/{args.ref_source}, bf16={bf16}",
         flush=True,
     )
@@ -534,8 +608,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.profile and probe.events is not None:
         row.update(write_profile(ctx, probe))
     warn_timed_compiles(row)
-    if (args.ceiling or args.ceiling_shape) and trainer.is_deepspeed_enabled:
-        print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3", flush=True)
+    if (args.ceiling or args.ceiling_shape) and (trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled):
+        print("CEILING skipped: the raw loop needs whole (unpartitioned) weights, not ZeRO-3 / FSDP2", flush=True)
     else:
         if args.ceiling:
             ceiling = run_ceiling(ctx, trainer)

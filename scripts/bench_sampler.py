@@ -1,14 +1,16 @@
 """Benchmark of the pair planner: per-step balance and planning time on realistic length mixes.
 
 Usage:
-    python scripts/bench_sampler.py [--pairs 1000000] [--pairs-per-rank 8] [--seed 0]
+    python scripts/bench_sampler.py [--pairs 1000000] [--pairs-per-rank 8] [--budget-pairs-per-rank 32]
 
-Prints one markdown table. Balance is ``max / mean`` of the loads (summed pair costs) within one step: over
-ranks ("rank"), over the micro-batches of one rank ("mb"), and over ranks for the same micro-batch index
-("micro-step"; under ZeRO-3 ranks run micro-steps in lock-step). "med" is the median over steps (or
+Prints two markdown tables (fixed count, then token budget). Balance is ``max / mean`` of the loads (summed pair
+costs) within one step: over ranks ("rank"), over the micro-batches of one rank ("mb"), and over ranks for the same
+micro-batch index ("micro-step"; under ZeRO-3 ranks run micro-steps in lock-step). "med" is the median over steps (or
 step-ranks / step-micro-steps), "worst" the maximum. ``random`` rows assign the same global batches to ranks
 and micro-batches in permutation order (no balancing). Times: ``plan_epoch_array`` (numpy plan) and
-``plan_epoch`` (the same plus the nested Python lists).
+``plan_epoch`` (the same plus the nested Python lists). Budget table: ``M`` = micro-batches per rank per step,
+"fill" = real tokens / (``M_step`` x ``B``) over all ranks, "max mb" = the largest micro-batch (<= ``B``), "micro-step
+med" = median over micro-steps of max / mean over ranks.
 """
 
 from __future__ import annotations
@@ -26,16 +28,21 @@ MIXES = {
 }
 
 
-def make_costs(mix: str, n: int, seed: int) -> np.ndarray:
-    """Returns ``[n]`` pair costs ``2 * prompt + chosen + rejected`` for a named length mix."""
-    rng = np.random.default_rng(seed)
+def mix_lengths(mix: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``[n]`` int64 prompt, chosen and rejected lengths of a named length mix (``MIXES``), drawn from ``rng``."""
     if mix == "lognormal":
         prompt = rng.integers(32, 513, n)
         chosen, rejected = (np.clip(rng.lognormal(np.log(200), 0.9, n), 16, 1024) for _ in range(2))
     else:
         prompt = np.clip(rng.lognormal(np.log(300), 1.0, n), 16, 4096)
         chosen, rejected = (np.clip(rng.lognormal(np.log(150), 1.5, n), 8, 4096) for _ in range(2))
-    return (2 * prompt.astype(np.int64) + chosen.astype(np.int64) + rejected.astype(np.int64)).astype(np.int64)
+    return prompt.astype(np.int64), chosen.astype(np.int64), rejected.astype(np.int64)
+
+
+def make_costs(mix: str, n: int, seed: int) -> np.ndarray:
+    """Returns ``[n]`` pair costs ``2 * prompt + chosen + rejected`` for a named length mix."""
+    prompt, chosen, rejected = mix_lengths(mix, n, np.random.default_rng(seed))
+    return 2 * prompt + chosen + rejected
 
 
 def ratio(loads: np.ndarray, axis: int) -> np.ndarray:
@@ -82,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=1_000_000)
     parser.add_argument("--pairs-per-rank", type=int, default=8)
+    parser.add_argument("--budget-pairs-per-rank", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     p = args.pairs_per_rank
@@ -104,6 +112,46 @@ def main() -> None:
                 "lists s": float("nan"),
             }
             print_row(mix, "random", world_size, 2, pairs.shape[0], row)
+    print()
+    print(f"Token budget (max_tokens_per_microbatch), pairs_per_rank={args.budget_pairs_per_rank}")
+    print()
+    budget_columns = ["M mean", "M max", "fill", "max mb", "micro-step med", "array s"]
+    print("| mix | B | W | steps | " + " | ".join(budget_columns) + " |")
+    print("|" + "---|" * (4 + len(budget_columns)))
+    for mix in MIXES:
+        costs = make_costs(mix, args.pairs, args.seed)
+        for budget in (8192, 16384) if mix == "lognormal" else (16384, 32768):  # heavy pairs cost up to 16384
+            for world_size in (1, 8, 64):
+                steps = args.pairs // (world_size * args.budget_pairs_per_rank)
+                row = budget_row(costs, world_size, args.budget_pairs_per_rank, budget, args.seed)
+                cells = [f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()]
+                print(f"| {mix} | {budget} | {world_size} | {steps:,} | " + " | ".join(cells) + " |")
+
+
+def budget_row(costs: np.ndarray, world_size: int, pairs_per_rank: int, budget: int, seed: int) -> dict:
+    """Plans one epoch with a token budget and measures it: micro-batches per step, fill (real tokens over
+    ``M_step * B``), largest micro-batch, micro-step balance over ranks, planning time."""
+    kwargs = dict(world_size=world_size, pairs_per_rank=pairs_per_rank, max_tokens_per_microbatch=budget, seed=seed)
+    start = time.perf_counter()
+    plan = plan_epoch_array(costs, epoch=0, **kwargs)
+    array_s = time.perf_counter() - start
+    rows, sizes = plan.pairs.reshape(-1, pairs_per_rank), plan.sizes.reshape(-1, plan.sizes.shape[2])
+    ends = np.cumsum(sizes, axis=1)
+    prefix = np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(costs[rows], axis=1)], axis=1)
+    loads = (np.take_along_axis(prefix, ends, 1) - np.take_along_axis(prefix, ends - sizes, 1)).reshape(
+        plan.sizes.shape
+    )
+    counts = plan.microbatch_counts
+    used = loads[:, 0, :] > 0  # [steps, M_max]: the step's micro-steps
+    micro = loads.max(axis=1) / np.maximum(loads.mean(axis=1), 1)
+    return {
+        "M mean": counts.mean(),
+        "M max": counts.max(),
+        "fill": loads.sum() / (counts.sum() * world_size * budget),
+        "max mb": loads.max(),
+        "micro-step med": np.median(micro[used]),
+        "array s": array_s,
+    }
 
 
 def print_row(mix: str, method: str, world_size: int, microbatches: int, steps: int, row: dict) -> None:

@@ -12,6 +12,9 @@ runs without DeepSpeed):
   pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
   pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
+  budget: ``std``'s global batch with a token budget (4 pairs per rank per step in 2-4 micro-batches of <= BUDGET
+      tokens, a varying count): losses and parameters as DP=1 without DeepSpeed, the engine stepped once per optimizer
+      step, then an eval by the same budget over EVAL_PAIRS pairs (weight-0 fillers on the short rank).
   tamper: resume from checkpoint-3 against another reference: ``reference_changed`` on every rank, before any step.
   disagree / disagree_pre: rank 1 loads one pair fewer: ``ranks_disagree`` on every rank within seconds.
   replicated: ``std`` resumed from its checkpoint-3 with ``ref_zero_stage=0`` (the reference a stage 0 engine, whole
@@ -49,6 +52,8 @@ GLOBAL_PAIRS = 8
 GA = 2
 STEPS = 6
 LOGPS_CHUNK = 7
+BUDGET = 48  # synthetic pairs cost 11-42 tokens; a rank's 4 pairs of a step need 2-3 micro-batches of <= 48 tokens
+EVAL_PAIRS = 13
 """Tiny chunks: each rank's micro-batches score different token counts, so ranks project different numbers of chunks
 (the ZeRO-3 head must still be gathered the same number of times on every rank, or the ranks deadlock)."""
 
@@ -187,6 +192,21 @@ def run_replicated(out_dir: Path, std: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_budget(out_dir: Path, world_size: int = 2) -> dict[str, Any]:
+    """``std`` with a token budget instead of GA=2 (same 8 pairs per step); ``world_size=1``: the test's DP=1 run."""
+    budget = dict(per_device_train_batch_size=GLOBAL_PAIRS // world_size, gradient_accumulation_steps=1)
+    trainer = build_trainer(out_dir / "budget", world_size=world_size, max_tokens_per_microbatch=BUDGET, **budget)
+    trainer.train()
+    engine = trainer.model_wrapped
+    return {
+        "losses": losses(trainer),
+        "params": full_parameters(trainer.model) if world_size > 1 else dict(trainer.model.named_parameters()),
+        "microbatch_counts": trainer._train_sampler.microbatch_counts()[:STEPS],
+        "engine_steps": [getattr(engine, "global_steps", None), getattr(engine, "micro_steps", None)],
+        "eval": trainer.evaluate(eval_dataset=synthetic_pairs(EVAL_PAIRS, seed=9)),
+    }
+
+
 def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
     trainer.train(resume_from_checkpoint=str(out_dir / "std" / "checkpoint-3"))
@@ -197,13 +217,18 @@ def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     }
 
 
-def run_failing(out_dir: Path, name: str, *, resume: str | None = None, **kwargs: Any) -> dict[str, Any]:
+def run_failing(
+    out_dir: Path, name: str, *, resume: str | None = None, evaluate: Any = None, **kwargs: Any
+) -> dict[str, Any]:
+    """Builds a trainer and trains it (or evaluates it on the dataset ``evaluate``); the run must fail with a reason
+    code, at construction (``step`` None) or later."""
     start = time.monotonic()
-    trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+    trainer = None
     try:
-        trainer.train(resume_from_checkpoint=resume)
+        trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
+        trainer.evaluate(evaluate) if evaluate is not None else trainer.train(resume_from_checkpoint=resume)
     except PairDPOError as exc:
-        seconds, step = time.monotonic() - start, trainer.state.global_step
+        seconds, step = time.monotonic() - start, trainer.state.global_step if trainer is not None else None
         return {"reason_code": exc.reason_code, "message": str(exc), "seconds": seconds, "step": step}
     return {"reason_code": None, "seconds": time.monotonic() - start}
 
@@ -239,6 +264,7 @@ def main() -> None:
     replicated_cache = str(out_dir / "cache_replicated")
     timed("pre_replicated", lambda: _pre(out_dir / "pre_replicated", replicated_cache, ref_zero_stage=0))
     checkpoint = str(out_dir / "std" / "checkpoint-3")
+    timed("budget", run_budget, out_dir)
     timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
     short = synthetic_pairs(NUM_PAIRS - rank)
     timed("disagree", run_failing, out_dir, "disagree", pairs=short)
@@ -264,7 +290,7 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     from pair_dpo_trainer.demo import DEMO_REVISION
-    from tests.test_reference_gate import _copy_snapshot, _reweight
+    from tests.test_reference_gate import _copy_snapshot
 
     snapshot = out_dir / "snapshot"
     if rank == 0:
@@ -293,12 +319,23 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
         "reference_logps": reference_logps(trainer),
         "sharded_logps": sharded_logps,
     }
+    result["tamper"] = resume_reweighted(out_dir, snapshot, rank, options)
+    return result
+
+
+def resume_reweighted(out_dir: Path, snapshot: Path, rank: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0 changes the snapshot's weights (metadata rewritten consistently, so it still verifies); the resume of
+    the ``pinned`` run from its checkpoint-2 must then be refused (:func:`run_failing`'s result)."""
+    import torch.distributed as dist
+
+    from tests.test_reference_gate import _reweight
+
+    dist.barrier()  # rank 1 may still read its replicated reference, whose weights can be mmap-backed by the file
     if rank == 0:
-        _reweight(snapshot, scale=1.5)
+        _reweight(snapshot, scale=1.5)  # rewrites model.safetensors in place
     dist.barrier()
     checkpoint = str(out_dir / "pinned" / "checkpoint-2")
-    result["tamper"] = run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
-    return result
+    return run_failing(out_dir, "pinned", resume=checkpoint, max_steps=4, **options)
 
 
 def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:

@@ -6,6 +6,10 @@ import argparse
 import importlib.util
 import json
 import math
+import os
+import re
+import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -56,8 +60,8 @@ def test_pairs_match_the_trl_baseline_workload(bench):
     assert [r["rejected_input_ids"] for r in ours] == trl["rejected_ids"]
 
 
-def test_max_tokens_microbatch_picks_pairs_per_microbatch(bench):
-    args = bench.parse_args(["--max-tokens-microbatch", "16384"])
+def test_bs_for_tokens_picks_pairs_per_microbatch(bench):
+    args = bench.parse_args(["--bs-for-tokens", "16384"])
     bs = bench.pairs_per_microbatch(args)
     assert 10 <= bs <= 20  # mean pair cost of the workload is ~1.1k tokens
 
@@ -141,7 +145,7 @@ def test_tiny_cpu_compile_run_has_compile_fields_shape_ceiling_and_host_breakdow
 
 def test_shape_batches_pack_docs_of_exactly_len_tokens_with_every_non_first_token_scored(bench):
     trainer = type("T", (), {"data_collator": PackedPairCollator(), "args": type("A", (), {"device": "cpu"})()})()
-    (batch,) = bench.shape_batches(trainer, 4, 16, 1, seed=0)
+    ((batch,),) = bench.shape_batches(trainer, 4, 16, 1, seed=0)
     assert batch.cu_seqlens.tolist() == [0, 16, 32, 48, 64] and batch.num_tokens == 64
     assert int(batch.completion_mask.sum()) == 4 * 15
     assert batch.completion_mask.reshape(4, 16)[:, -1].sum() == 0  # a document's last token has no target
@@ -205,3 +209,83 @@ def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
     loaded = bench_report.load_rows(str(path), str(tmp_path / "missing.jsonl"))
     assert bench_report.ratio_line(loaded, "z3", "one").startswith("RATIO z3/one = 0.500 per GPU (20 / 40 tok/s")
     assert "missing nope" in bench_report.ratio_line(loaded, "z3:pair_dpo_ceiling", "nope")
+
+
+# --------------------------------------------------------------------------------------------- token budget (issue 15)
+TRL_FLAGS = {  # trl_dpo_baseline.py's argparse flags (../shared/bench), frozen
+    "--tag", "--attn", "--padding_free", "--bs", "--steps", "--warmup", "--max_length", "--workers", "--results",
+    "--tiny", "--seed", "--no_cudnn_sdp",
+}  # fmt: skip
+
+
+def test_budget_flags_and_heavy_mix(bench):
+    args = bench.parse_args(["--mix", "heavy", "--bs", "32", "--max-tokens-per-microbatch", "16384", "--pad-to-budget"])
+    config = bench.build_config(args, args.bs, 3, bf16=False)
+    assert config.max_tokens_per_microbatch == 16384 and config.pad_to_budget and config.pairs_per_rank_per_step == 32
+    assert config.max_length == 8192 and config.max_prompt_length == 4096
+    costs = np.array([2 * len(r["prompt_input_ids"]) + len(r["chosen_input_ids"]) + len(r["rejected_input_ids"])
+                      for r in bench.make_pairs(400, seed=0, mix="heavy")])  # fmt: skip
+    assert costs.max() <= 16384 and costs.max() > 4 * np.median(costs)  # heavy-tailed, and within the budget
+    assert bench.pairs_per_microbatch(bench.parse_args(["--bs-for-tokens", "16384"])) == bench.pairs_per_microbatch(
+        bench.parse_args(["--bs-for-tokens", "16384", "--seed", "0"])
+    )
+    for bad in (["--max-tokens-per-microbatch", "4096", "--ga", "2"], ["--pad-to-budget"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_tiny_cpu_budget_run_counts_microbatches_and_times_the_microbatch_ceiling(bench, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    argv = ["--tiny", "--bs", "4", "--max-tokens-per-microbatch", "3072", "--pad-to-budget", "--steps", "1"]
+    row = bench.main([*argv, "--warmup", "1", "--ceiling", "--tag", "smoke_budget"])
+    assert row["max_tokens_per_microbatch"] == 3072 and row["pad_to_budget"] is True and row["grad_accum"] == 1
+    assert row["microbatches_per_step_mean"] >= 2 and row["microbatch_tokens_max"] == 3072  # padded rows
+    assert 0 < row["padding_frac"] < 1 and row["alloc_conf"] == "expandable_segments:True"
+    ceiling = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][0]
+    assert ceiling["impl"] == "pair_dpo_ceiling" and ceiling["ceiling_rows"] == "microbatches"
+    assert ceiling["real_tokens_per_step"] == row["real_tokens_per_step"]  # the same pairs, pad not counted
+
+
+def _dry_run(script: str) -> list[list[str]]:
+    env = {**os.environ, "DRY_RUN": "1"}
+    proc = subprocess.run(["bash", script], cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return [shlex.split(line[len("DRY_RUN: ") :]) for line in proc.stdout.splitlines() if line.startswith("DRY_RUN: ")]
+
+
+def test_token_budget_gpu_script_commands_parse(bench):
+    """Every command of scripts/gpu/h200_token_budget.sh parses (bench_dpo, TRL baseline, probe), tags are unique,
+    and every tag its --ratio lines name is produced by a run of the script."""
+    sys.path.insert(0, str(SCRIPTS))
+    import probe_cudagraph_layers
+
+    commands = _dry_run("scripts/gpu/h200_token_budget.sh")
+    assert len(commands) >= 10
+    tags = []
+    for argv in commands:
+        script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
+        name, flags = Path(argv[script]).name, argv[script + 1 :]
+        if name == "bench_dpo.py":
+            args = bench.parse_args(flags)
+            tags.append(args.tag)
+            if args.ceiling:
+                tags.append(f"{args.tag}:pair_dpo_ceiling")
+        elif name == "trl_dpo_baseline.py":
+            assert {f for f in flags if f.startswith("--")} <= TRL_FLAGS
+            tags.append(flags[flags.index("--tag") + 1])
+        else:
+            assert name == "probe_cudagraph_layers.py"
+            probe_cudagraph_layers.parse_args(flags)
+    assert len(tags) == len(set(tags))
+    text = (SCRIPTS / "gpu" / "h200_token_budget.sh").read_text()
+    for num, den in re.findall(r"--ratio ([\w:.-]+) ([\w:.-]+)", text):
+        assert num in tags and den in tags, (num, den)
+
+
+def test_probe_rows_have_one_shape():
+    sys.path.insert(0, str(SCRIPTS))
+    import probe_cudagraph_layers
+
+    rows = probe_cudagraph_layers.rows(512, 5, vocab=100)
+    assert {row.num_tokens for row in rows} == {512} and len({row.num_pairs for row in rows}) > 1

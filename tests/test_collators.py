@@ -14,6 +14,7 @@ from pair_dpo_trainer.collators import (
     PaddedPairBatch,
     PaddedPairCollator,
 )
+from pair_dpo_trainer.collators.step import StepBatch, StepCollator
 from pair_dpo_trainer.errors import PreferenceRowError
 from tests.dpo_fixtures import random_features
 
@@ -55,6 +56,34 @@ def test_packed_pad_to_multiple_of_adds_one_unscored_segment() -> None:
     assert batch.pair_index.shape == (2,) and batch.num_sequences == 2
     # Already a multiple: no pad segment at all.
     assert PackedPairCollator(pad_to_multiple_of=9)(EXAMPLE).cu_seqlens.tolist() == [0, 4, 9]
+
+
+def test_packed_pad_to_length_makes_every_row_one_shape() -> None:
+    """``pad_to_budget``: rows of any content come out exactly ``pad_to_length`` long, the extra tokens unscored."""
+    collator = PackedPairCollator(pad_to_length=16, pad_token_id=0)
+    batch = collator(EXAMPLE)
+    assert batch.num_tokens == 16 and batch.cu_seqlens.tolist() == [0, 4, 9, 16]
+    assert torch.equal(batch.position_ids[0, 9:], _tensor(list(range(7))))
+    assert (batch.labels[0, 9:] == IGNORE_INDEX).all() and torch.equal(
+        batch.completion_positions, _tensor([1, 2, 5, 6, 7])
+    )
+    two = collator(EXAMPLE + [{"prompt_input_ids": [3], "chosen_input_ids": [4, 2], "rejected_input_ids": [2, 4]}])
+    assert two.input_ids.shape == batch.input_ids.shape == (1, 16)
+    exact = PackedPairCollator(pad_to_length=9)(EXAMPLE)
+    assert exact.cu_seqlens.tolist() == [0, 4, 9]  # already the length: no pad segment
+    with pytest.raises(ValueError, match="pad_to_length=8"):
+        PackedPairCollator(pad_to_length=8)(EXAMPLE)
+    with pytest.raises(ValueError, match="at most one"):
+        PackedPairCollator(pad_to_length=8, pad_to_multiple_of=4)
+
+
+def test_step_collator_packs_each_microbatch_and_moves_them_together() -> None:
+    step = StepCollator(PackedPairCollator(pad_to_length=12))([EXAMPLE, EXAMPLE])
+    assert isinstance(step, StepBatch) and len(step) == 2 and step.num_pairs == 2 and step.num_tokens == 24
+    moved = step.to("cpu")
+    assert all(isinstance(mb, PackedPairBatch) and mb.num_tokens == 12 for mb in moved.microbatches)
+    with pytest.raises(ValueError):
+        StepCollator(PackedPairCollator())([])
 
 
 def test_padded_literal_example() -> None:

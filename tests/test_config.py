@@ -44,6 +44,9 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"zero3_leaf_modules": "Llama Decoder"}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": ""}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": "LlamaDecoderLayer,"}, "bad_zero3_leaf_modules"),
+        ({"max_tokens_per_microbatch": 0}, "bad_length"),
+        ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
+        ({"pad_to_budget": True}, "unsupported_combination"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
@@ -75,3 +78,11 @@ def test_ref_zero_stage_accepts_none_0_and_3(tmp_path, stage):
     assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=False).ref_offload_params is False
     if stage != 0:
         assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=True).ref_offload_params is True
+
+
+def test_token_budget_needs_one_accumulation_step_and_names_the_pairs_per_step(tmp_path):
+    config = _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=32, pad_to_budget=True)
+    assert config.pairs_per_rank_per_step == 32 and config.gradient_accumulation_steps == 1
+    with pytest.raises(ConfigError) as info:
+        _config(tmp_path, max_tokens_per_microbatch=16384, per_device_train_batch_size=8, gradient_accumulation_steps=4)
+    assert "gradient_accumulation_steps=1" in str(info.value) and "(here 32)" in str(info.value)

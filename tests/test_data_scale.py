@@ -37,7 +37,7 @@ from pair_dpo_trainer.node import Node
 from pair_dpo_trainer.reference.precompute import dataset_fingerprint
 from tests.dpo_fixtures import cpu_config, tiny_llama
 
-LIMITS = {"max_length": 128, "max_prompt_length": 64, "max_pair_tokens": None}
+LIMITS = {"max_length": 128, "max_prompt_length": 64, "max_tokens_per_microbatch": None}
 BAD_ROWS = {300: {"prompt": "x"}, 520: {"prompt": "x", "chosen": "1", "rejected": "1"}, 700: ["not", "a", "row"]}
 
 
@@ -159,7 +159,7 @@ def test_the_cache_is_reused_and_invalidated_by_tokenizer_limits_and_rows(tmp_pa
     variants = {
         "tokenizer": _build(rows, other_template, cache),
         "limits": _build(rows, tok, cache, limits={**LIMITS, "max_prompt_length": 32}),
-        "budget": _build(rows, tok, cache, limits={**LIMITS, "max_pair_tokens": 4096}),
+        "budget": _build(rows, tok, cache, limits={**LIMITS, "max_tokens_per_microbatch": 4096}),
         "rows": _build(changed_row, tok, cache),
     }
     directories = {first.entry.directory, *(b.entry.directory for b in variants.values())}
@@ -262,7 +262,9 @@ def test_a_prepared_pair_over_the_budget_is_refused_with_its_index(tmp_path, tok
     split = load_prepared(prepared, "train")
     costs = pair_cost_array(split.rows)
     budget = int(costs.max()) - 1  # the costliest pairs are over it
-    args = cpu_config(tmp_path, max_length=128, max_prompt_length=64, max_tokens_per_microbatch=budget)
+    args = cpu_config(
+        tmp_path, max_length=128, max_prompt_length=64, max_tokens_per_microbatch=budget, gradient_accumulation_steps=1
+    )
     with pytest.raises(PreferenceRowError) as info:
         PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=split, processing_class=tok)
     assert info.value.reason_code == "pair_too_long"

@@ -85,7 +85,7 @@ def test_the_pairs_are_the_same_bytes_in_another_process(results, tmp_path):
     """Determinism across runs: the launch's entry and one built here, in another interpreter, are byte-identical."""
     meta = results["parallel", 0]["train_meta"]
     tok = AutoTokenizer.from_pretrained(bundled_model_dir())
-    limits = {"max_length": 128, "max_prompt_length": 64, "max_pair_tokens": None}
+    limits = {"max_length": 128, "max_prompt_length": 64, "max_tokens_per_microbatch": None}
     built = build_pairs(
         generate_demo_pairs(seed=7, n=700),
         tok,

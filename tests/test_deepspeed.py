@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ import torch
 
 from pair_dpo_trainer.integrity import parameter_digest
 from tests.dpo_fixtures import tiny_lora_llama
-from tests.ds_worker import build_trainer, losses
+from tests.ds_worker import STEPS, build_trainer, losses, run_budget
+from tests.launch import accelerate_launch
 from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
@@ -69,27 +68,9 @@ def zero3(tmp_path_factory):
     config.write_text(ACCELERATE_CONFIG.format(ds_config=root / "ds_config.json", port=free_port()))
     out = root / "out"
     out.mkdir()
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "DS_ACCELERATOR": "cpu",
-        "PYTHONPATH": str(ROOT),
-        "TORCH_EXTENSIONS_DIR": os.environ.get(
-            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
-        ),
-    }
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    extensions = os.environ.get("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions"))
     start = time.monotonic()
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "ds_worker.py"), str(out)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    accelerate_launch(config, "ds_worker.py", out, env={"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": extensions})
     results = torch.load(out / "results.pt", weights_only=False)
     results["timings"]["launch"] = round(time.monotonic() - start, 1)
     print(f"\nZeRO-3 launch timings (s): {results['timings']}")
@@ -106,6 +87,7 @@ def dp1(tmp_path_factory):
         trainer = build_trainer(root / name, world_size=1, **options)
         trainer.train()
         runs[name] = {"losses": losses(trainer), "params": dict(trainer.model.named_parameters())}
+    runs["budget"] = run_budget(root, world_size=1)
     return runs
 
 
@@ -121,6 +103,20 @@ def test_zero3_dp2_matches_dp1_without_deepspeed(zero3, dp1, mode):
     assert results[mode]["losses"] == pytest.approx(dp1[mode]["losses"], abs=1e-5)
     if mode == "std":  # Adam divides by sqrt(v): 1e-7 reduction-order noise in tiny gradients grows to ~2e-5
         assert _max_diff(results[mode]["params"], dp1[mode]["params"]) < 1e-4
+
+
+def test_token_budget_under_zero3_matches_dp1_and_steps_the_engine_once_per_step(zero3, dp1):
+    """A varying number of micro-batches per step (equal on both ranks) under ZeRO-3: no hang, the engine's
+    accumulation boundary only at each step's last micro-batch, and DP=1's losses, parameters and eval."""
+    results, _ = zero3
+    budget = results["budget"]
+    assert min(budget["microbatch_counts"]) >= 2 and len(set(budget["microbatch_counts"])) > 1
+    assert budget["engine_steps"] == [STEPS, STEPS]  # DeepSpeed stepped (and counted) once per optimizer step
+    for reference in (dp1["std"], dp1["budget"]):  # DP=1 x GA=2, and DP=1 with the budget: the same global batch
+        assert budget["losses"] == pytest.approx(reference["losses"], abs=1e-5)
+        assert _max_diff(budget["params"], reference["params"]) < 1e-4  # Adam-amplified reduction-order noise
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert budget["eval"][key] == pytest.approx(dp1["budget"]["eval"][key], abs=1e-4), key
 
 
 def test_both_models_are_partitioned_the_reference_is_frozen_and_unchanged(zero3):

@@ -46,7 +46,12 @@ def dp1_ga2(tmp_path_factory):
     return run_layout(tmp_path_factory.mktemp("dp1"), "dp1_ga2", world_size=1, ga=2)
 
 
-@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+@pytest.fixture(scope="module")
+def dp1_budget(tmp_path_factory):
+    return run_layout(tmp_path_factory.mktemp("dp1b"), "dp1_budget", world_size=1, ga=None)
+
+
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])
 def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, layout):
     other = torch.load(two_rank_results / f"{layout}.pt")
     assert set(other["grads"]) == set(dp1_ga2["grads"]) and len(other["grads"]) > 0
@@ -57,13 +62,25 @@ def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, la
         assert diff / scale < 1e-6, f"{layout} {name}: max abs diff {diff:.3e} vs scale {scale:.3e}"
 
 
-@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2"])
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])
 def test_five_step_loss_curves_and_parameters_match(two_rank_results, dp1_ga2, layout):
     other = torch.load(two_rank_results / f"{layout}.pt")
     assert len(other["losses"]) == len(dp1_ga2["losses"]) == 5
     assert other["losses"] == pytest.approx(dp1_ga2["losses"], abs=1e-5)
     for name, param in dp1_ga2["params"].items():
         torch.testing.assert_close(other["params"][name], param, atol=1e-5, rtol=0, msg=name)
+
+
+def test_budget_under_ddp_syncs_once_per_step_and_evaluates_like_one_process(two_rank_results, dp1_budget):
+    """Every budget step has 2+ micro-batches per rank, yet DDP all-reduces as often per step as a one-micro-batch
+    step (no_sync on all but the last); the budget's eval (fillers on the short rank) equals the one-process eval."""
+    budget, ga1 = torch.load(two_rank_results / "dp2_budget.pt"), torch.load(two_rank_results / "dp2_ga1.pt")
+    assert min(budget["microbatch_counts"]) >= 2 and len(set(budget["microbatch_counts"])) > 1
+    assert len(budget["allreduces"]) == 5 and min(ga1["allreduces"]) > 0
+    assert budget["allreduces"] == ga1["allreduces"]
+    assert dp1_budget["losses"] == pytest.approx(budget["losses"], abs=1e-5)
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert budget["eval"][key] == pytest.approx(dp1_budget["eval"][key], abs=1e-5), key
 
 
 def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_results):

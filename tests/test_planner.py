@@ -236,3 +236,174 @@ def test_integral_float_costs_accepted():
 def test_exact_step_has_no_drop():
     plan = plan_epoch(list(range(1, 33)), world_size=4, pairs_per_rank=8, microbatches=8, seed=1, epoch=0)
     assert sorted(check_structure(plan, 32, 4, 8, 8)) == list(range(32))
+
+
+# --------------------------------------------------------------------------------------------- token budget (issue 15)
+def heavy_mix(n: int, seed: int) -> np.ndarray:
+    """bench_sampler.py's "heavy" mix: prompt clip(lognormal(log 300, 1), 16, 4096), completions
+    clip(lognormal(log 150, 1.5), 8, 4096)."""
+    rng = np.random.default_rng(seed)
+    prompt = np.clip(rng.lognormal(np.log(300), 1.0, n), 16, 4096).astype(np.int64)
+    chosen, rejected = (np.clip(rng.lognormal(np.log(150), 1.5, n), 8, 4096).astype(np.int64) for _ in "cr")
+    return 2 * prompt + chosen + rejected
+
+
+def ffd_count(costs: list[int], budget: int) -> int:
+    """Independent first-fit decreasing: bins needed for ``costs`` under ``budget``."""
+    bins: list[int] = []
+    for c in sorted(costs, reverse=True):
+        for j, load in enumerate(bins):
+            if load + c <= budget:
+                bins[j] += c
+                break
+        else:
+            bins.append(c)
+    return len(bins)
+
+
+def check_budget_plan(plan, costs, world_size: int, pairs_per_rank: int, budget: int) -> None:
+    """Every invariant of a budget plan, checked against the costs and an independent FFD."""
+    costs = np.asarray(costs)
+    n, group = len(costs), world_size * pairs_per_rank
+    assert len(plan) == n // group
+    flat = []
+    for step in plan:
+        assert len(step) == world_size
+        counts = {len(rank) for rank in step}
+        assert len(counts) == 1  # the same number of micro-batches on every rank of the step
+        needed = [ffd_count(costs[[i for mb in rank for i in mb]].tolist(), budget) for rank in step]
+        assert counts == {max(needed)}  # M_step = the most any rank of the step needs (FFD)
+        for rank in step:
+            assert sum(len(mb) for mb in rank) == pairs_per_rank
+            loads = [int(costs[mb].sum()) for mb in rank]
+            assert all(len(mb) > 0 for mb in rank) and max(loads) <= budget
+            assert loads == sorted(loads, reverse=True)  # heaviest micro-batch first
+            for mb in rank:
+                assert all(type(i) is int for i in mb)
+                flat.extend(mb)
+    assert len(flat) == len(set(flat)) == (n // group) * group
+    assert all(0 <= i < n for i in flat)
+
+
+@st.composite
+def budget_problems(draw):
+    world_size = draw(st.integers(1, 6))
+    pairs_per_rank = draw(st.integers(1, 9))
+    n = draw(st.integers(world_size * pairs_per_rank, 3 * world_size * pairs_per_rank + 5))
+    costs = draw(st.lists(st.integers(1, 400), min_size=n, max_size=n))
+    budget = draw(st.integers(max(costs), max(costs) * pairs_per_rank + 1))
+    return costs, world_size, pairs_per_rank, budget, draw(st.integers(0, 2**32)), draw(st.integers(0, 20))
+
+
+@SETTINGS
+@given(budget_problems())
+def test_budget_invariants_random(problem):
+    costs, world_size, pairs_per_rank, budget, seed, epoch = problem
+    kwargs = dict(world_size=world_size, pairs_per_rank=pairs_per_rank, max_tokens_per_microbatch=budget, seed=seed)
+    plan = plan_epoch(costs, epoch=epoch, **kwargs)
+    check_budget_plan(plan, costs, world_size, pairs_per_rank, budget)
+    assert plan == plan_epoch(np.asarray(costs), epoch=epoch, **kwargs)  # deterministic
+    # The same global batches (as sets) and the same rank shares as the fixed-count plan: only micro-batching differs.
+    fixed = plan_epoch(costs, epoch=epoch, microbatches=1, **{k: v for k, v in kwargs.items() if "tokens" not in k})
+    assert [[sorted(i for mb in rank for i in mb) for rank in step] for step in plan] == [
+        [sorted(rank[0]) for rank in step] for step in fixed
+    ]
+
+
+@pytest.mark.parametrize("mix", ["lognormal", "heavy"])
+@pytest.mark.parametrize("world_size,pairs_per_rank", [(1, 32), (2, 16), (3, 8), (8, 4)])
+@pytest.mark.parametrize("budget", [4096, 16384])
+def test_budget_plans_on_length_mixes(mix, world_size, pairs_per_rank, budget):
+    costs = length_mix(world_size * pairs_per_rank * 12 + 3, seed=7) if mix == "lognormal" else None
+    if costs is None:
+        costs = np.minimum(heavy_mix(world_size * pairs_per_rank * 12 + 3, seed=7), budget)
+    kwargs = dict(world_size=world_size, pairs_per_rank=pairs_per_rank, max_tokens_per_microbatch=budget, seed=1)
+    plan = plan_epoch(costs, epoch=2, **kwargs)
+    check_budget_plan(plan, costs, world_size, pairs_per_rank, budget)
+    array = plan_epoch_array(costs, epoch=2, **kwargs)
+    assert array.to_lists() == plan and array.microbatch_counts.tolist() == [len(step[0]) for step in plan]
+    for rank in range(world_size):
+        assert array.rank_microbatches(rank) == [step[rank] for step in plan]
+
+
+def test_budget_splits_a_rank_whose_balanced_split_would_break_the_budget():
+    # Rank costs [6, 4, 4, 3, 3] under 10 tokens: FFD needs 2 micro-batches (6+4, 4+3+3); longest-first into 2
+    # gives 6+3 / 4+4+3 = 11 > 10, so the rank keeps FFD's packing. Its partner [9, 1, 1, 1, 1] needs 2 as well.
+    costs = [6, 4, 4, 3, 3]
+    plan = plan_epoch(costs, world_size=1, pairs_per_rank=5, max_tokens_per_microbatch=10, seed=0, epoch=0)
+    (step,) = plan
+    assert sorted(sorted(costs[i] for i in mb) for mb in step[0]) == [[3, 3, 4], [4, 6]]
+    # Three ranks of one pair each but a rank needing 3 micro-batches: the others split to 3 (non-empty).
+    costs = [9, 9, 9, 1, 1, 1, 1, 1, 1]
+    plan = plan_epoch(costs, world_size=3, pairs_per_rank=3, max_tokens_per_microbatch=10, seed=0, epoch=0)
+    for step in plan:
+        check_budget_plan(plan, costs, 3, 3, 10)
+        assert [len(rank) for rank in step] == [len(step[0])] * 3
+
+
+def test_budget_counts_vary_by_step_and_fit_exactly():
+    costs = [10, 10, 10, 10, 1, 1, 1, 1] * 4
+    plan = plan_epoch(costs, world_size=2, pairs_per_rank=2, max_tokens_per_microbatch=20, seed=4, epoch=0)
+    check_budget_plan(plan, costs, 2, 2, 20)
+    assert all(len(step[0]) == 1 for step in plan)  # two pairs of <= 20 tokens fit one micro-batch exactly
+    plan = plan_epoch(costs, world_size=2, pairs_per_rank=2, max_tokens_per_microbatch=19, seed=4, epoch=0)
+    counts = [len(step[0]) for step in plan]
+    assert set(counts) == {1, 2}  # steps where some rank holds 10 + 10 need two micro-batches everywhere
+
+
+def test_budget_plan_of_a_million_heavy_tailed_pairs_keeps_the_budget():
+    costs = heavy_mix(1_000_000, seed=0)  # the heaviest pair costs at most 2 * 4096 + 4096 + 4096 = 16384
+    plan = plan_epoch_array(costs, world_size=8, pairs_per_rank=32, max_tokens_per_microbatch=16384, seed=0, epoch=0)
+    assert plan.steps == 1_000_000 // 256 and (plan.sizes.sum(axis=2) == 32).all()
+    assert sorted(plan.pairs.ravel().tolist()) == sorted(set(plan.pairs.ravel().tolist()))
+    rows, sizes = plan.pairs.reshape(-1, 32), plan.sizes.reshape(-1, plan.sizes.shape[2])
+    ends = np.cumsum(sizes, axis=1)
+    prefix = np.concatenate([np.zeros((rows.shape[0], 1), dtype=np.int64), np.cumsum(costs[rows], axis=1)], axis=1)
+    loads = np.take_along_axis(prefix, ends, 1) - np.take_along_axis(prefix, ends - sizes, 1)
+    assert loads.max() <= 16384 and (loads > 0).sum(axis=1).tolist() == np.repeat(plan.microbatch_counts, 8).tolist()
+
+
+def test_budget_fingerprint_and_fixed_fingerprints_unchanged():
+    costs = np.random.default_rng(0).integers(20, 3000, 500).tolist()
+    frozen = {  # plan_epoch_array(...).fingerprint() before token budgets existed: fixed-count plans are unchanged
+        (4, 8, 2): "e900fb79e2d76d49",
+        (3, 7, 3): "330b4a7280f39bfa",
+        (1, 5, 5): "b038c83e31fb532d",
+    }
+    for (world_size, pairs_per_rank, microbatches), digest in frozen.items():
+        layout = dict(world_size=world_size, pairs_per_rank=pairs_per_rank, microbatches=microbatches)
+        assert plan_epoch_array(costs, seed=3, epoch=1, **layout).fingerprint() == digest
+    budget = dict(world_size=4, pairs_per_rank=8, seed=3, epoch=1)
+    a = plan_epoch_array(costs, max_tokens_per_microbatch=6000, **budget)
+    assert a.fingerprint() == plan_epoch_array(costs, max_tokens_per_microbatch=6000, **budget).fingerprint()
+    assert a.fingerprint() != plan_epoch_array(costs, max_tokens_per_microbatch=6001, **budget).fingerprint()
+    assert a.fingerprint() not in frozen.values()
+    with pytest.raises(ValueError):
+        a.microbatch_sizes  # noqa: B018  (a budget plan has no common sizes)
+
+
+def test_budget_docstring_example():
+    costs = [10, 1, 1, 10, 5, 5, 3, 7]
+    plan = plan_epoch(costs, world_size=2, pairs_per_rank=4, max_tokens_per_microbatch=12, seed=0, epoch=0)
+    assert plan == [[[[2, 3], [6, 7]], [[0, 1], [4, 5]]]]
+
+
+@pytest.mark.parametrize(
+    "overrides,code,words",
+    [
+        (dict(max_tokens_per_microbatch=9), "pair_too_long", ["pair 0", "10 tokens", "max_tokens_per_microbatch=9"]),
+        (dict(max_tokens_per_microbatch=0), "bad_layout", ["max_tokens_per_microbatch"]),
+        (dict(max_tokens_per_microbatch=12.5), "bad_layout", ["max_tokens_per_microbatch"]),
+        (dict(max_tokens_per_microbatch=12, microbatches=2), "bad_layout", ["exactly one"]),
+        (dict(microbatches=None), "bad_layout", ["exactly one"]),
+    ],
+)
+def test_budget_errors(overrides, code, words):
+    layout = dict(world_size=2, pairs_per_rank=4, seed=0, epoch=0, microbatches=None)
+    if "microbatches" in overrides:
+        layout["microbatches"] = overrides.pop("microbatches")
+    with pytest.raises(ScheduleError) as info:
+        plan_epoch([10, 1, 1, 10, 5, 5, 3, 7], **layout, **overrides)
+    assert info.value.reason_code == code
+    for word in words:
+        assert word in str(info.value)

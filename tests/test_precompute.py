@@ -60,6 +60,28 @@ def test_precomputed_equals_online_and_the_cache_is_reused_without_building_the_
     assert again.reference_identity == first.reference_identity  # from the cache, without the model
 
 
+def test_precompute_with_a_token_budget_keeps_its_micro_batches_within_it(tmp_path, monkeypatch):
+    """The reference pass of a budget run packs by the same budget (and equals the online budget run)."""
+    from pair_dpo_trainer.reference import precompute
+
+    budget = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_tokens_per_microbatch=50)
+    online = _trainer(tmp_path, out="online", **budget)
+    online.train()
+    rows = []
+
+    class RecordingLoader(precompute.DataLoader):  # the reference pass's loader
+        def __iter__(self):
+            for batch in super().__iter__():
+                rows.append(batch.num_tokens)
+                yield batch
+
+    monkeypatch.setattr(precompute, "DataLoader", RecordingLoader)
+    pre = _trainer(tmp_path, precompute_ref_logps=True, per_device_eval_batch_size=64, **budget)
+    pre.train()
+    assert rows and max(rows) <= 50 < sum(rows) / 2  # the pass ran in budget-sized rows, not 64-pair ones
+    assert _losses(pre) == pytest.approx(_losses(online), abs=1e-6)
+
+
 def test_a_different_key_recomputes(tmp_path):
     _trainer(tmp_path, precompute_ref_logps=True).train()
     cache = tmp_path / "out" / "ref_logps_cache"

@@ -264,3 +264,17 @@ def _tokenizer(path: str):
 
         _TOKENIZERS[path] = AutoTokenizer.from_pretrained(path)
     return _TOKENIZERS[path]
+
+
+def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(tmp_path, tokenizer_dir, demo_rows, capsys):
+    source = _write_jsonl(tmp_path / "in.jsonl", demo_rows)
+    tok = _tokenizer(tokenizer_dir)
+    costs = sorted(tokenize_pair(normalize_row(r), tok, max_length=1024, max_prompt_length=512).cost for r in demo_rows)
+    budget = costs[len(costs) // 2]  # about half the pairs cost more
+    out = tmp_path / "out"
+    code = _prepare([source], out, tokenizer_dir, "--max-tokens-per-microbatch", str(budget), train=10, eval_=2)
+    assert code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["max_tokens_per_microbatch"] == budget
+    assert manifest["rejections"]["pair_too_long"] == sum(c > budget for c in costs) > 0
+    assert "pair_too_long" in capsys.readouterr().out

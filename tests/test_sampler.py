@@ -7,8 +7,10 @@ import pytest
 import torch
 from accelerate.data_loader import SkipBatchSampler, skip_first_batches
 
+from pair_dpo_trainer.collators import PackedPairCollator
+from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.errors import ScheduleError
-from pair_dpo_trainer.samplers import PairBatchSampler, plan_epoch
+from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, plan_epoch
 from pair_dpo_trainer.samplers import sampler as sampler_module
 
 N = 203
@@ -138,3 +140,65 @@ def test_errors():
     with pytest.raises(ScheduleError) as info:
         sampler.step_pair_count(11)
     assert info.value.reason_code == "step_out_of_range"
+
+
+# --------------------------------------------------------------------------------------------- token budget (issue 15)
+BUDGET = dict(world_size=3, pairs_per_rank=6, max_tokens_per_microbatch=6000, seed=5)
+
+
+def make_steps(rank: int = 0, **overrides) -> PairStepSampler:
+    return PairStepSampler(COSTS, rank=rank, **dict(BUDGET, **overrides))
+
+
+@pytest.mark.parametrize("epoch", [0, 3])
+def test_step_sampler_yields_whole_steps_of_the_plan(epoch):
+    plan = plan_epoch(COSTS, epoch=epoch, **BUDGET)
+    counts = [len(step[0]) for step in plan]
+    assert len(set(counts)) > 1  # the budget gives steps different micro-batch counts
+    for rank in range(3):
+        sampler = make_steps(rank)
+        sampler.set_epoch(epoch)
+        assert len(sampler) == sampler.steps_per_epoch == len(plan) == N // 18
+        assert list(sampler) == [step[rank] for step in plan] == list(sampler)
+        assert sampler.microbatch_counts() == counts
+        assert sampler.step_pair_count(0) == 18
+    fixed = PairStepSampler(COSTS, rank=1, microbatches=4, **{k: v for k, v in LAYOUT.items() if k != "microbatches"})
+    assert list(fixed) == [list(make(1))[4 * s : 4 * s + 4] for s in range(11)]  # fixed count: same micro-batches
+
+
+def test_step_sampler_resume_and_skip_batch_sampler_skip_whole_steps():
+    sampler = make_steps(rank=2)
+    full = list(sampler)
+    sampler.set_start_step(4)
+    assert list(sampler) == full[4:]
+    assert list(SkipBatchSampler(make_steps(rank=2), skip_batches=4)) == full[4:]
+    assert make_steps(rank=0).schedule_fingerprint() == make_steps(rank=2).schedule_fingerprint()
+    assert make_steps().schedule_fingerprint() != make_steps(max_tokens_per_microbatch=6001).schedule_fingerprint()
+
+
+def test_step_items_through_a_dataloader_with_step_pairs_and_collator():
+    features = [
+        {"prompt_input_ids": [5] * (c % 7 + 1), "chosen_input_ids": [6, 2], "rejected_input_ids": [7, 8, 2]}
+        for c in COSTS
+    ]
+    sampler = make_steps(rank=1)
+    loader = torch.utils.data.DataLoader(
+        StepPairs(features), batch_sampler=sampler, collate_fn=StepCollator(PackedPairCollator())
+    )
+    skipped = skip_first_batches(loader, num_batches=2)
+    for loader_, expected in ((loader, list(sampler)), (skipped, list(sampler)[2:])):
+        steps = list(loader_)
+        assert [len(step) for step in steps] == [len(step) for step in expected]
+        for step, keys in zip(steps, expected, strict=True):
+            assert isinstance(step, StepBatch) and step.num_pairs == sum(map(len, keys))
+            for batch, mb in zip(step.microbatches, keys, strict=True):
+                assert batch.num_tokens == sum(2 * len(features[i]["prompt_input_ids"]) + 5 for i in mb)
+
+
+def test_pair_batch_sampler_refuses_a_budget():
+    with pytest.raises(ScheduleError) as info:
+        PairBatchSampler(COSTS, rank=0, **BUDGET)
+    assert info.value.reason_code == "bad_layout" and "PairStepSampler" in str(info.value)
+    with pytest.raises(ScheduleError) as info:
+        make_steps(max_tokens_per_microbatch=100)
+    assert info.value.reason_code == "pair_too_long"

@@ -199,7 +199,9 @@ def test_control_tokens_in_content_are_text(tok):
             "identical_after_truncation",
             id="identical_after_truncation",
         ),
-        pytest.param({**ROW, "prompt": LONG_PROMPT}, None, {"max_pair_tokens": 60}, "pair_too_long", id="too-long"),
+        pytest.param(
+            {**ROW, "prompt": LONG_PROMPT}, None, {"max_tokens_per_microbatch": 60}, "pair_too_long", id="too-long"
+        ),
     ],
 )
 def test_tokenization_reason_codes(tok, row, template, kwargs, code):
@@ -213,12 +215,12 @@ def test_tokenization_reason_codes(tok, row, template, kwargs, code):
 
 def test_pair_too_long_boundary(tok):
     cost = _tokenize(ROW, tok).cost
-    assert _tokenize(ROW, tok, max_pair_tokens=cost).cost == cost
+    assert _tokenize(ROW, tok, max_tokens_per_microbatch=cost).cost == cost
     with pytest.raises(PreferenceRowError, match="pair_too_long"):
-        _tokenize(ROW, tok, max_pair_tokens=cost - 1)
+        _tokenize(ROW, tok, max_tokens_per_microbatch=cost - 1)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_length": 0}, {"max_prompt_length": -1}, {"max_pair_tokens": 0}])
+@pytest.mark.parametrize("kwargs", [{"max_length": 0}, {"max_prompt_length": -1}, {"max_tokens_per_microbatch": 0}])
 def test_bad_lengths(tok, kwargs):
     with pytest.raises(ConfigError) as info:
         _tokenize(ROW, tok, **kwargs)
@@ -243,7 +245,9 @@ def test_tokenize_dataset_counts_rejections(tok):
         {**ROW, "prompt": LONG_PROMPT},
         {"prompt": "p", "chosen": ""},
     ]
-    result = tokenize_dataset(rows, tok, max_length=256, max_prompt_length=128, max_pair_tokens=80, keep_pairs=True)
+    result = tokenize_dataset(
+        rows, tok, max_length=256, max_prompt_length=128, max_tokens_per_microbatch=80, keep_pairs=True
+    )
     assert result.num_rows == 6 and result.num_accepted == 1 and result.row_indices == [0]
     assert result.features == [_tokenize(ROW, tok).to_features()]
     assert result.pairs == [normalize_row(ROW)]

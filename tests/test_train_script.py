@@ -67,3 +67,20 @@ def test_plot_cli_redraws_curves_from_trainer_state(demo_run, tmp_path):
     assert (out / "training_curves.png").read_bytes()[:8] == PNG_MAGIC
     missing = subprocess.run(["pair-dpo", "plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert missing.returncode == 2 and "trainer_state.json" in missing.stderr
+
+
+def test_train_script_sets_expandable_segments_only_when_no_allocator_is_configured(monkeypatch, capsys):
+    from pair_dpo_trainer.allocator import default_cuda_allocator
+
+    env: dict[str, str] = {}
+    assert default_cuda_allocator(env) == "expandable_segments:True"
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        chosen = {name: "expandable_segments:False"}
+        assert default_cuda_allocator(chosen) is None and chosen == {name: "expandable_segments:False"}
+    calls = []
+    monkeypatch.setattr(train, "default_cuda_allocator", lambda: calls.append("set"))
+    monkeypatch.setattr(train, "parse_args", lambda argv: calls.append("parse") or sys.exit(0))
+    with pytest.raises(SystemExit):
+        train.main([])
+    assert calls == ["set", "parse"]  # before anything can initialise CUDA

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
+from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.logprobs import padded_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference, NoReference
 from pair_dpo_trainer.summary import run_summary
@@ -150,3 +151,111 @@ def test_floating_point_ops_count_non_embedding_parameters_once(tmp_path):
     expected_params = trainer.model.num_parameters(exclude_embeddings=True)
     assert trainer.floating_point_ops(batch) == 8 * expected_params * batch.num_tokens
     assert trainer._flop_params == expected_params
+
+
+# --------------------------------------------------------------------------------------------- token budget (issue 15)
+BUDGET = 60  # synthetic pairs cost 8-46 tokens: 1-4 pairs per micro-batch, 4-6 micro-batches per 8-pair step
+
+
+def _history(trainer, key: str, after: int = 0) -> list[float]:
+    return [entry[key] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > after]
+
+
+def test_budget_steps_equal_fixed_accumulation_on_the_same_global_batch(tmp_path):
+    """8 pairs per step either as 2 x 4 (HF's accumulation) or packed by tokens into a varying number of micro-batches:
+    the same pairs per step and the same loss scale, so the same losses, learning rates and parameters."""
+    pairs = synthetic_pairs(48, seed=2)
+    common = dict(max_steps=5, learning_rate=1e-2, max_grad_norm=0.0, lr_scheduler_type="linear")
+    fixed = _trainer(tmp_path / "fixed", pairs, per_device_train_batch_size=4, gradient_accumulation_steps=2, **common)
+    fixed.train()
+    budget = _trainer(
+        tmp_path / "budget",
+        pairs,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_tokens_per_microbatch=BUDGET,
+        **common,
+    )
+    budget.train()
+    counts = budget._train_sampler.microbatch_counts()
+    assert min(counts) >= 2 and len(set(counts)) > 1  # really several, and a varying number, of micro-batches
+    assert budget.state.global_step == fixed.state.global_step == 5
+    assert _history(budget, "loss") == pytest.approx(_history(fixed, "loss"), abs=1e-6)
+    assert _history(budget, "learning_rate") == _history(fixed, "learning_rate")
+    assert _history(budget, "epoch") == _history(fixed, "epoch")
+    fixed_params = dict(fixed.model.named_parameters())
+    for name, param in budget.model.named_parameters():
+        torch.testing.assert_close(param, fixed_params[name], atol=2e-5, rtol=0, msg=name)
+    assert budget.evaluate()["eval_loss"] == pytest.approx(fixed.evaluate()["eval_loss"], abs=1e-6)
+
+
+def test_budget_resume_mid_epoch_equals_uninterrupted_run(tmp_path):
+    pairs = synthetic_pairs(48, seed=2)
+    options = dict(
+        per_device_train_batch_size=8, gradient_accumulation_steps=1, max_tokens_per_microbatch=BUDGET, max_steps=5
+    )
+    straight = _trainer(tmp_path / "a", pairs, save_strategy="no", **options)
+    straight.train()
+    first = _trainer(tmp_path / "b", pairs, save_strategy="steps", save_steps=2, **options)
+    first.train()
+    resumed = _trainer(tmp_path / "b", pairs, save_strategy="no", **options)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
+    assert resumed.state.global_step == 5
+    assert _history(resumed, "loss", after=2) == pytest.approx(_history(straight, "loss", after=2), abs=1e-6)
+    resumed_params = dict(resumed.model.named_parameters())
+    for name, p_straight in straight.model.named_parameters():
+        torch.testing.assert_close(resumed_params[name], p_straight, atol=1e-6, rtol=0, msg=name)
+
+
+def test_budget_epochs_count_optimizer_steps_and_change_order(tmp_path):
+    pairs = synthetic_pairs(20, seed=4)  # 20 // 8 = 2 steps per epoch
+    trainer = _trainer(
+        tmp_path,
+        pairs,
+        per_device_train_batch_size=8,
+        gradient_accumulation_steps=1,
+        max_tokens_per_microbatch=BUDGET,
+        num_train_epochs=2,
+    )
+    seen = []
+    real = trainer.training_step
+
+    def recording(model, inputs, num_items_in_batch=None):
+        if isinstance(inputs, StepBatch):
+            seen.append((len(inputs), inputs.num_pairs, num_items_in_batch))
+        return real(model, inputs, num_items_in_batch)
+
+    trainer.training_step = recording
+    trainer.train()
+    assert trainer.state.global_step == 4 and trainer.state.epoch == pytest.approx(2.0)
+    assert [(pairs_, n) for _, pairs_, n in seen] == [(8, 8)] * 4  # the loss normaliser is the step's pair count
+    sampler = trainer._train_sampler
+    assert [m for m, _, _ in seen] == sampler.microbatch_counts(0) + sampler.microbatch_counts(1)
+    assert sampler.rank_plan(0) != sampler.rank_plan(1)
+
+
+def test_pad_to_budget_pads_every_row_and_trains_identically(tmp_path):
+    pairs = synthetic_pairs(32, seed=1)
+    options = dict(
+        per_device_train_batch_size=8, gradient_accumulation_steps=1, max_tokens_per_microbatch=BUDGET, max_steps=3
+    )
+    plain = _trainer(tmp_path / "plain", pairs, **options)
+    plain.train()
+    padded = _trainer(tmp_path / "padded", pairs, pad_to_budget=True, **options)
+    step = next(iter(padded.get_train_dataloader()))
+    assert {mb.num_tokens for mb in step.microbatches} == {BUDGET}
+    eval_batches = list(padded.get_eval_dataloader())
+    assert {batch.num_tokens for batch in eval_batches} == {BUDGET}
+    padded.train()
+    assert _history(padded, "loss") == pytest.approx(_history(plain, "loss"), abs=1e-6)
+    assert padded.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], abs=1e-6)
+
+
+def test_run_summary_names_the_token_budget(tmp_path):
+    args = _config(
+        tmp_path, per_device_train_batch_size=32, gradient_accumulation_steps=1, max_tokens_per_microbatch=16384
+    )
+    line = run_summary(args, attn_backend="torch_varlen", source=None)
+    assert "32 pairs/step (32 per rank in micro-batches of <= 16384 tokens)" in line
+    padded = _config(tmp_path, max_tokens_per_microbatch=16384, gradient_accumulation_steps=1, pad_to_budget=True)
+    assert "micro-batches of <= 16384 tokens, padded to it" in run_summary(padded, attn_backend="x", source=None)

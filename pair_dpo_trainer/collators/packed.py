@@ -71,7 +71,8 @@ class PackedPairBatch(_TensorDataclass):
         input_ids: ``[1, T]`` int64 token ids (padding only in the optional trailing pad segment).
         position_ids: ``[1, T]`` int64, restarting at 0 for every sequence (and for the pad segment).
         cu_seqlens: ``[2n + 1]`` int32 cumulative sequence boundaries, ``cu_seqlens[0] == 0`` and
-            ``cu_seqlens[-1] == T``; ``[2n + 2]`` when a pad segment was added (``pad_to_multiple_of``).
+            ``cu_seqlens[-1] == T``; ``[2n + 2]`` when a pad segment was added (``pad_to_multiple_of`` /
+            ``pad_to_length``).
         max_seqlen: Longest segment (sequence or pad segment) in tokens, a python int.
         labels: ``[1, T]`` int64 shifted targets: the next token when it is a completion token of the same
             sequence, else ``-100``.
@@ -209,19 +210,28 @@ class PackedPairCollator:
 
         With ``pad_to_multiple_of=4`` the row grows to 12 tokens: a trailing pad segment of 3
         ``pad_token_id`` tokens (positions ``[0, 1, 2]``, labels -100, ``sequence_index`` 2) and
-        ``cu_seqlens == [0, 4, 9, 12]``.
+        ``cu_seqlens == [0, 4, 9, 12]``. With ``pad_to_length=16`` it grows to exactly 16 tokens the same way.
 
     Args:
         pad_to_multiple_of: If set, round ``T`` up to a multiple of it by appending one pad segment (its own
             entry in ``cu_seqlens``, so attention kernels see it as a separate, unscored sequence). Fixed
             shapes help kernels and allocator reuse; the default ``None`` adds no padding at all.
+        pad_to_length: If set, make every row exactly this long with the same pad segment (``pad_to_budget``:
+            the micro-batch token budget, so every row has one shape); a longer micro-batch raises ``ValueError``.
+            Not together with ``pad_to_multiple_of``.
         pad_token_id: Token id of the pad segment.
     """
 
-    def __init__(self, pad_to_multiple_of: int | None = None, pad_token_id: int = 0) -> None:
-        if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
-            raise ValueError(f"pad_to_multiple_of must be a positive int or None, got {pad_to_multiple_of}")
+    def __init__(
+        self, pad_to_multiple_of: int | None = None, pad_token_id: int = 0, pad_to_length: int | None = None
+    ) -> None:
+        for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pad_to_length", pad_to_length)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive int or None, got {value}")
+        if pad_to_multiple_of is not None and pad_to_length is not None:
+            raise ValueError("give at most one of pad_to_multiple_of and pad_to_length")
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.pad_to_length = pad_to_length
         self.pad_token_id = int(pad_token_id)
 
     def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> PackedPairBatch:
@@ -268,6 +278,13 @@ class PackedPairCollator:
         )
 
     def _pad_length(self, length: int) -> int:
+        if self.pad_to_length is not None:
+            if length > self.pad_to_length:
+                raise ValueError(
+                    f"the micro-batch packs {length} tokens, more than pad_to_length={self.pad_to_length} (the "
+                    "micro-batch token budget): plan it with the same max_tokens_per_microbatch"
+                )
+            return self.pad_to_length - length
         if self.pad_to_multiple_of is None:
             return 0
         return -length % self.pad_to_multiple_of

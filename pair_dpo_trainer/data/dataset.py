@@ -40,7 +40,7 @@ def as_pair_dataset(
     *,
     max_length: int,
     max_prompt_length: int,
-    max_pair_tokens: int | None,
+    max_tokens_per_microbatch: int | None,
     progress: bool = False,
     desc: str = "dataset",
     num_proc: int = 1,
@@ -61,7 +61,8 @@ def as_pair_dataset(
         dataset: Preference rows in any supported shape, tokenised pairs, a :class:`PreparedSplit`, or a dict of
             named eval datasets (each converted; returned as a dict).
         tokenizer: The run's tokenizer.
-        max_length / max_prompt_length / max_pair_tokens: See :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch: See
+            :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
         progress: Show a progress bar (rows/s) on stderr while converting.
         desc: Name of the dataset in messages, the log line and the progress bar.
         num_proc: Worker processes that convert rows (on the node's local main process).
@@ -77,7 +78,11 @@ def as_pair_dataset(
             the run (see :mod:`pair_dpo_trainer.data.prepared`); ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
-    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+    limits = {
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
     options = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "node": node}
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         return {
@@ -127,7 +132,7 @@ def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
     The costs come from the Arrow lengths (:func:`~pair_dpo_trainer.data.tokenize.pair_cost_array`); the error is the
     one :func:`~pair_dpo_trainer.data.tokenize.truncate_pair` raises for that row, named by its index.
     """
-    budget = limits.get("max_pair_tokens")
+    budget = limits.get("max_tokens_per_microbatch")
     if budget is None:
         return
     over = np.flatnonzero(pair_cost_array(rows) > budget)

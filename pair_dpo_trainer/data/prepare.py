@@ -95,11 +95,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
     )
     parser.add_argument(
-        "--max-pair-tokens",
+        "--max-tokens-per-microbatch",
         type=int,
         default=None,
         metavar="T",
-        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected).",
+        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
+        "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
     )
     parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
     parser.add_argument(
@@ -177,8 +178,8 @@ def _check_args(args: argparse.Namespace) -> None:
             f"--max-prompt-length={args.max_prompt_length}: set 0 < P < --max-length "
             f"({args.max_length}) so every completion keeps at least one token."
         )
-    if args.max_pair_tokens is not None and args.max_pair_tokens < 1:
-        raise UsageError(f"--max-pair-tokens={args.max_pair_tokens}: must be >= 1.")
+    if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 1:
+        raise UsageError(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch}: must be >= 1.")
     if args.num_proc is not None and args.num_proc < 1:
         raise UsageError(f"--num-proc={args.num_proc}: must be >= 1.")
     for path in args.inputs:
@@ -233,7 +234,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any, candidates: Path) -> Rea
     limits = {
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
-        "max_pair_tokens": args.max_pair_tokens,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
     }
     return read_inputs(
         list(args.inputs),
@@ -305,7 +306,7 @@ def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[s
         "eval_size": args.eval_size,
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
-        "max_pair_tokens": args.max_pair_tokens,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "tokenizer": tokenizer_info,
         "splits": {
             name: {"pairs": len(rows), "prompts": len({read.hashes[i] for i in rows})}

@@ -13,8 +13,8 @@ checks it once, before any row is used (:meth:`PreparedSplit.check`, called by
   extended). Anything looser is refused (``limits_looser_than_prepared``): re-run ``prepare-data`` with the run's
   limits.
 
-``max_pair_tokens`` of the preparation is a filter, not a limit: the run's micro-batch budget is checked on every row
-as for raw rows (``pair_too_long``).
+``max_tokens_per_microbatch`` of the preparation is a filter, not a limit: the run's micro-batch budget is checked on
+every row as for raw rows (``pair_too_long``).
 
 The rows of a split are the memory-mapped ``<split>.arrow`` (:data:`PREPARED_SCHEMA`): the three token-id columns,
 ``prompt_hash``, ``source``, ``source_row`` and ``pair`` (the normalised messages as JSON); ``<split>.jsonl`` holds the

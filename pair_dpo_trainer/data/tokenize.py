@@ -126,7 +126,7 @@ def tokenize_pair(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
 ) -> TokenizedPair:
     """Tokenises and truncates one normalised pair (chat template, or concatenation without one: module docstring).
 
@@ -135,7 +135,7 @@ def tokenize_pair(
         tokenizer: A Hugging Face tokenizer with an ``eos_token_id`` (and a chat template for message rows).
         max_length: Maximum tokens of one sequence (prompt + one completion).
         max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
-        max_pair_tokens: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
+        max_tokens_per_microbatch: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
             of one packed micro-batch).
 
     Returns:
@@ -154,7 +154,7 @@ def tokenize_pair(
         >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
         ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
     """
-    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
+    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
     eos = _eos_token_id(tokenizer)
     if not has_chat_template(tokenizer):
         prompt_ids, chosen, rejected = _concatenated_ids(tokenizer, pair, eos)
@@ -168,7 +168,7 @@ def tokenize_pair(
         rejected,
         max_length=max_length,
         max_prompt_length=max_prompt_length,
-        max_pair_tokens=max_pair_tokens,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
 
 
@@ -179,14 +179,14 @@ def truncate_pair(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
 ) -> TokenizedPair:
     """Left-truncates the prompt, right-truncates the completions, then checks the pair: the one truncation rule of
     every input path (raw rows, pre-tokenised rows, prepared directories).
 
     Args:
         prompt_ids / chosen / rejected: Token ids; completions end with EOS unless already cut.
-        max_length / max_prompt_length / max_pair_tokens: See :func:`tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch: See :func:`tokenize_pair`.
 
     Returns:
         The pair, ``truncated=True`` when something was cut (a cut completion loses its EOS with its tail).
@@ -220,11 +220,11 @@ def truncate_pair(
             f"the chosen and rejected completions {detail}; the pair carries no preference signal "
             "(drop it, or raise max_length / lower max_prompt_length if they differ later).",
         )
-    if max_pair_tokens is not None and truncated.cost > max_pair_tokens:
+    if max_tokens_per_microbatch is not None and truncated.cost > max_tokens_per_microbatch:
         raise PreferenceRowError(
             "pair_too_long",
             f"the pair costs {truncated.cost} tokens (2 x prompt + chosen + rejected), more than "
-            f"max_pair_tokens={max_pair_tokens}; lower max_length / max_prompt_length or raise the "
+            f"max_tokens_per_microbatch={max_tokens_per_microbatch}; lower max_length / max_prompt_length or raise the "
             "micro-batch token budget.",
         )
     return truncated
@@ -236,7 +236,7 @@ def tokenize_dataset(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
     strict: bool = False,
     keep_pairs: bool = False,
     progress: bool | None = None,
@@ -250,7 +250,7 @@ def tokenize_dataset(
         tokenizer: A Hugging Face tokenizer (with a chat template for message rows).
         max_length: See :func:`tokenize_pair`.
         max_prompt_length: See :func:`tokenize_pair`.
-        max_pair_tokens: See :func:`tokenize_pair`.
+        max_tokens_per_microbatch: See :func:`tokenize_pair`.
         strict: Raise the first :class:`PreferenceRowError` (its message names the row) instead of
             counting it.
         keep_pairs: Also return the normalised pair of every accepted row.
@@ -268,8 +268,12 @@ def tokenize_dataset(
         >>> result.num_accepted, dict(result.rejections)  # doctest: +SKIP
         (1, {'schema': 1})
     """
-    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
-    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
+    limits = {
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
 
     def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool]:
         pair = normalize_row(row)
@@ -285,7 +289,7 @@ def truncate_dataset(
     *,
     max_length: int,
     max_prompt_length: int | None,
-    max_pair_tokens: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
     strict: bool = True,
     progress: bool | None = None,
     desc: str = "dataset",
@@ -295,7 +299,7 @@ def truncate_dataset(
 
     Args:
         rows: A ``datasets.Dataset`` or iterable of mappings with the three ``*_input_ids`` columns.
-        max_length / max_prompt_length / max_pair_tokens: See :func:`tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch: See :func:`tokenize_pair`.
         strict / progress / desc / first_row: See :func:`tokenize_dataset`.
 
     Returns:
@@ -308,8 +312,12 @@ def truncate_dataset(
         >>> result.features[0]["prompt_input_ids"], result.features[0]["chosen_input_ids"], result.num_truncated
         ([2, 3], [4, 5], 1)
     """
-    _check_lengths(max_length, max_prompt_length, max_pair_tokens)
-    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, "max_pair_tokens": max_pair_tokens}
+    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
+    limits = {
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
 
     def convert(row: Any) -> tuple[None, dict[str, Any], bool]:
         tokenized = truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
@@ -399,11 +407,11 @@ def pair_cost_array(rows: Any) -> np.ndarray:
     return np.fromiter(costs, dtype=np.int64)
 
 
-def _check_lengths(max_length: int, max_prompt_length: int | None, max_pair_tokens: int | None) -> None:
+def _check_lengths(max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None) -> None:
     for name, value, optional in (
         ("max_length", max_length, False),
         ("max_prompt_length", max_prompt_length, True),
-        ("max_pair_tokens", max_pair_tokens, True),
+        ("max_tokens_per_microbatch", max_tokens_per_microbatch, True),
     ):
         if value is None and optional:
             continue

@@ -17,6 +17,11 @@ Why regional, in place and dynamic:
   (``tests/test_gpu_packed.py``): one recompile, then one graph per mode (train, no-grad) for every micro-batch.
   The attention function passes a symbolic int to the kernel as it is.
 
+``pad_to_budget=True`` (rows of exactly ``max_tokens_per_microbatch`` tokens) makes the row length static; the
+segment count and the longest segment still vary, so ``dynamic=True`` stays. CUDA graphs stay refused: one compiled
+graph serves every layer, each call's input being the previous call's output, the pattern CUDA graph trees do not
+support for regional compilation (PyTorch issue 152887; ``scripts/probe_cudagraph_layers.py`` checks it on a GPU).
+
 Not here: compiling the LM head (the chunked log-prob function is a handful of large matmuls already) and
 ZeRO-3 (DeepSpeed's per-module parameter hooks are incompatible with tracing the layer; the config refuses it).
 """
@@ -41,7 +46,9 @@ def compile_mode_problem(mode: str | None) -> str | None:
         return None
     return (
         f"torch_compile_mode={mode!r} uses CUDA graphs, which need static shapes; packed rows change length every "
-        f"micro-batch: use one of {list(COMPILE_MODES)} or leave it unset."
+        "micro-batch, and even with pad_to_budget (one row length) the decoder layers are compiled one by one, so "
+        "each layer's output is the next call's input of the same graph, which CUDA graph trees overwrite (PyTorch "
+        f"issue 152887): use one of {list(COMPILE_MODES)} or leave it unset."
     )
 
 

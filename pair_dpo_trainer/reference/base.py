@@ -1,7 +1,8 @@
 """The frozen reference of standard DPO, or none at all (``reference_free``).
 
 A reference maps a packed micro-batch to per-sequence log-probs ``[2n]`` float32, without gradients. This module
-holds the protocol and the in-process backends; the others are classes with the same ``sequence_logps(batch)``:
+holds the protocol and the in-process backends (``FrozenReference`` also serves FSDP2, sharded or replicated:
+:mod:`~pair_dpo_trainer.reference.fsdp`); the others are classes with the same ``sequence_logps(batch)``:
 :class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (an inference-only DeepSpeed engine) and
 :class:`~pair_dpo_trainer.reference.precompute.PrecomputedReference` (log-probs carried by the batch).
 """
@@ -52,8 +53,11 @@ class FrozenReference:
         return packed_sequence_logps(self.model, batch, chunk_size=self.chunk_size)
 
     def identity_parameters(self):
-        """The parameters covered by the reference identity's parameter digest."""
-        return self.model.named_parameters()
+        """The parameters covered by the reference identity's parameter digest (FSDP2 shards gathered one at a time,
+        see :func:`~pair_dpo_trainer.reference.engine.gathered_named_parameters`)."""
+        from pair_dpo_trainer.reference.engine import gathered_named_parameters
+
+        return gathered_named_parameters(self.model)
 
     def release(self) -> None:
         """Drops the model (after a precompute pass), so its memory can be reused."""
@@ -72,14 +76,18 @@ def load_reference_model(policy: PreTrainedModel, directory: str | None) -> PreT
         The reference model on the CPU (the caller moves it).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned in-memory policy without a directory.
+        ConfigError: ``unsupported_combination`` for a ZeRO-3 partitioned or FSDP2-sharded in-memory policy without
+            a directory.
     """
     if directory is None:
-        if any(hasattr(p, "ds_id") for p in policy.parameters()):
+        from torch.distributed.tensor import DTensor
+
+        if any(hasattr(p, "ds_id") or isinstance(p, DTensor) for p in policy.parameters()):
             raise ConfigError(
                 "unsupported_combination",
-                "the policy is already ZeRO-3 partitioned (loaded under deepspeed.zero.Init) and no reference "
-                "directory is known, so it cannot be copied: pass the model as a path, or set ref_model_name_or_path.",
+                "the policy is already sharded (ZeRO-3 partitioned under deepspeed.zero.Init, or DTensor parameters) "
+                "and no reference directory is known, so it cannot be copied: pass the model as a path, or set "
+                "ref_model_name_or_path.",
             )
         return copy.deepcopy(policy)
     return AutoModelForCausalLM.from_pretrained(directory, dtype=policy.dtype)

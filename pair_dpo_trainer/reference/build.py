@@ -20,13 +20,15 @@ def build_reference(
     source: ReferenceSource | None,
     ref_model: PreTrainedModel | None,
     deepspeed_config: Mapping[str, Any] | None = None,
+    fsdp_plugin: Any = None,
 ) -> Reference:
     """Returns the reference the trainer runs for ``args`` (a ``PairDPOConfig``).
 
     Modes: ``reference_free`` -> :class:`NoReference`; otherwise the reference model is ``ref_model`` when given,
     else loaded from ``source.directory`` (verified when pinned), else a copy of the in-memory policy; it runs as a
     :class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (its own inference-only engine) when DeepSpeed is
-    enabled, else as a :class:`FrozenReference` on ``args.device``.
+    enabled, as an FSDP2-sharded or replicated :class:`FrozenReference` under FSDP2
+    (:mod:`~pair_dpo_trainer.reference.fsdp`), else as a :class:`FrozenReference` on ``args.device``.
 
     Args:
         args: The run's ``PairDPOConfig``.
@@ -35,6 +37,7 @@ def build_reference(
             None for reference-free runs.
         ref_model: An explicit reference model, if the user passed one.
         deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled.
+        fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (``modeling.fsdp2.setup_fsdp2``).
     """
     if args.reference_free:
         if ref_model is not None:
@@ -43,18 +46,24 @@ def build_reference(
     from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
 
     if ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy):
-        if args.ref_zero_stage is not None or args.ref_offload_params:
+        if args.ref_zero_stage is not None or args.ref_offload_params or args.ref_fsdp_shard is not None:
             raise ConfigError(
                 "unsupported_combination",
-                "the reference of a PEFT policy is the policy itself with its adapters disabled, so ref_zero_stage and "
-                "ref_offload_params do not apply: unset them, or set ref_model_name_or_path for a separate reference.",
+                "the reference of a PEFT policy is the policy itself with its adapters disabled, so ref_zero_stage, "
+                "ref_fsdp_shard and ref_offload_params do not apply: unset them, or set ref_model_name_or_path for a "
+                "separate reference.",
             )
-        return AdapterDisabledReference(policy, chunk_size=args.logps_chunk_size)  # the base model, no second copy
+        probe = fsdp_plugin is None  # under FSDP2 the policy is not on the accelerator before train() shards it
+        return AdapterDisabledReference(policy, chunk_size=args.logps_chunk_size, probe=probe)  # no second copy
     if deepspeed_config is not None:
         return _deepspeed_reference(args, policy, source=source, ref_model=ref_model, deepspeed_config=deepspeed_config)
     if ref_model is None:
         ref_model = load_reference_model(policy, source.directory if source is not None else None)
     enable_pair_varlen(ref_model, args.attn_backend)
+    if fsdp_plugin is not None:
+        from pair_dpo_trainer.reference.fsdp import build_fsdp_reference
+
+        return build_fsdp_reference(ref_model, plugin=fsdp_plugin, args=args, device=args.device)
     return FrozenReference(ref_model.to(args.device), chunk_size=args.logps_chunk_size)
 
 

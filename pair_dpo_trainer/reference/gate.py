@@ -64,7 +64,8 @@ def compute_identity(
         vocab_size: Vocabulary size of the reference, for the probe batch.
         device: Device the reference runs on.
     """
-    probe_logps = reference.sequence_logps(probe_batch(vocab_size).to(device))
+    probe = getattr(reference, "probe", True)  # False: a reference that cannot run the probe yet (PEFT under FSDP2)
+    probe_logps = reference.sequence_logps(probe_batch(vocab_size).to(device)) if probe else None
     return build_identity(
         snapshot=source.snapshot,
         revision=source.revision,

@@ -57,13 +57,17 @@ class ReferenceManager:
         ref_model: An explicit reference model, if the user passed one.
         deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled, else None.
         mixed_precision: The accelerator's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``), for the cache key.
+        fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (the reference is then sharded or replicated by
+            :mod:`~pair_dpo_trainer.reference.fsdp`), else None.
 
     Attributes:
         builds: How many times a reference model was built (0 after a precompute cache hit).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` or a ``ref_zero_stage`` without
-            DeepSpeed, and the DeepSpeed combinations :func:`~pair_dpo_trainer.reference.engine.reference_zero_stage`
+        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without DeepSpeed or FSDP2, a
+            ``ref_zero_stage`` without DeepSpeed, a ``ref_fsdp_shard`` without FSDP2 (and the other FSDP2
+            combinations of :func:`~pair_dpo_trainer.reference.fsdp.fsdp_reference_problems`), and the DeepSpeed
+            combinations :func:`~pair_dpo_trainer.reference.engine.reference_zero_stage`
             refuses (``ref_zero_stage=3`` without ZeRO-3, ``ref_offload_params=True`` with a replicated reference).
     """
 
@@ -76,13 +80,15 @@ class ReferenceManager:
         ref_model: torch.nn.Module | None,
         deepspeed_config: Mapping[str, Any] | None,
         mixed_precision: str = "no",
+        fsdp_plugin: Any = None,
     ) -> None:
-        if args.ref_offload_params and deepspeed_config is None:
+        if args.ref_offload_params and deepspeed_config is None and fsdp_plugin is None:
             raise ConfigError(
                 "unsupported_combination",
-                "ref_offload_params=True offloads the parameters of a DeepSpeed ZeRO-3 reference engine, but this run "
-                "does not use DeepSpeed: launch with a ZeRO-3 config, or leave ref_offload_params unset.",
+                "ref_offload_params=True offloads the parameters of a sharded reference (DeepSpeed ZeRO-3 or FSDP2), "
+                "but this run uses neither: launch with a ZeRO-3 or FSDP2 config, or leave ref_offload_params unset.",
             )
+        self._check_fsdp(args, policy, ref_model, fsdp_plugin)
         if args.ref_zero_stage is not None and deepspeed_config is None:
             raise ConfigError(
                 "unsupported_combination",
@@ -99,7 +105,8 @@ class ReferenceManager:
         self._policy = policy
         self._ref_model = ref_model
         self._deepspeed_config = deepspeed_config
-        self._precision = _precision(policy, deepspeed_config, mixed_precision)
+        self._fsdp_plugin = fsdp_plugin
+        self._precision = _precision(policy, deepspeed_config, mixed_precision, fsdp_plugin)
         self._checked: str | None = None
         self._backend: Any = None
         self._identity: ReferenceIdentity | None = None
@@ -169,6 +176,18 @@ class ReferenceManager:
         return dataset if entry is None else WithRefLogps(dataset, entry[1])
 
     # ------------------------------------------------------------------ building
+    @staticmethod
+    def _check_fsdp(args: Any, policy: torch.nn.Module, ref_model: Any, fsdp_plugin: Any) -> None:
+        """Refuses reference options that do not fit the run's FSDP2 setting (``reference.fsdp``)."""
+        from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
+        from pair_dpo_trainer.reference.peft import is_peft_model
+
+        peft_reference = (
+            not args.reference_free and ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy)
+        )
+        for problem in fsdp_reference_problems(args, fsdp=fsdp_plugin is not None, peft_reference=peft_reference):
+            raise ConfigError(*problem)
+
     def _build(self) -> None:
         """Builds the reference backend and, for a non-free reference, its identity (collective under ZeRO-3)."""
         self._backend = build_reference(
@@ -177,6 +196,7 @@ class ReferenceManager:
             source=self.source,
             ref_model=self._ref_model,
             deepspeed_config=self._deepspeed_config,
+            fsdp_plugin=self._fsdp_plugin,
         )
         if self.source is None:
             return
@@ -259,8 +279,15 @@ class ReferenceManager:
             self._identity = ReferenceIdentity.from_dict(entry.identity)
 
 
-def _precision(policy: torch.nn.Module, deepspeed_config: Mapping[str, Any] | None, mixed_precision: str) -> str:
-    """The reference's compute precision as recorded in the cache key, e.g. ``"deepspeed:bfloat16"``."""
+def _precision(
+    policy: torch.nn.Module, deepspeed_config: Mapping[str, Any] | None, mixed_precision: str, fsdp_plugin: Any = None
+) -> str:
+    """The reference's compute precision as recorded in the cache key, e.g. ``"deepspeed:bfloat16"``,
+    ``"fsdp2:bfloat16"`` (the same for a sharded and a replicated FSDP2 reference)."""
+    if fsdp_plugin is not None:
+        from pair_dpo_trainer.modeling.fsdp2 import compute_dtype
+
+        return "fsdp2:" + str(compute_dtype(fsdp_plugin) or policy.dtype).removeprefix("torch.")
     if deepspeed_config is not None:
 
         def enabled(section: str) -> bool:

@@ -47,21 +47,28 @@ class AdapterDisabledReference:
     Args:
         policy: The ``peft.PeftModel`` policy (a DDP / DeepSpeed wrapper around it is unwrapped and not kept).
         chunk_size: Tokens per chunk of the log-prob computation (``PairDPOConfig.logps_chunk_size``).
+        probe: Whether the reference identity includes the probe digest (a forward of the probe batch). False under
+            FSDP2: the identity is computed before Accelerate shards the policy, when it is not on the accelerator
+            yet; manifest and parameter digests still identify the reference.
 
     Raises:
         TypeError: ``policy`` is not a ``peft.PeftModel``.
     """
 
-    def __init__(self, policy: torch.nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+    def __init__(self, policy: torch.nn.Module, chunk_size: int = DEFAULT_CHUNK_SIZE, probe: bool = True) -> None:
         if not is_peft_model(policy):
             raise TypeError(f"AdapterDisabledReference needs a peft.PeftModel policy, got {type(policy).__name__}.")
         self.policy = unwrap_model(policy)
         self.chunk_size = chunk_size
+        self.probe = probe
 
-    def identity_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base-model parameters the reference identity's parameter digest covers (adapter weights excluded)."""
+    def identity_parameters(self) -> Iterator[tuple[str, Any]]:
+        """The base-model parameters the reference identity's parameter digest covers (adapter weights excluded;
+        FSDP2 shards gathered one at a time, see ``reference.engine.gathered_named_parameters``)."""
+        from pair_dpo_trainer.reference.engine import gathered_named_parameters
+
         prefix = getattr(self.policy.base_model, "prefix", None)  # the tuner's parameter prefix, e.g. "lora_"
-        for name, param in self.policy.named_parameters():
+        for name, param in gathered_named_parameters(self.policy):
             parts = name.split(".")
             if "modules_to_save" in parts or (prefix and any(part.startswith(prefix) for part in parts)):
                 continue

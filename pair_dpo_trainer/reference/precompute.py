@@ -194,7 +194,8 @@ def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
 def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> torch.Tensor:
     """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
 
-    Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs (checked over the CPU
+    Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs, and of at most
+    ``max_tokens_per_microbatch`` tokens when that budget is set (checked over the CPU
     group before the first forward, so a rank with another dataset fails fast instead of hanging in ZeRO-3).
 
     Args:
@@ -208,6 +209,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
         world_size=args.world_size,
         rank=args.process_index,
         pairs_per_microbatch=args.per_device_eval_batch_size,
+        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
     )
     assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
     loader = DataLoader(

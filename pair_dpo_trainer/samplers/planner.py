@@ -1,76 +1,73 @@
 """Balanced, pair-atomic epoch planning: the pure core of the pair schedule (Python + numpy, no torch).
 
-Entry point: :func:`plan_epoch` ``(costs, *, world_size, pairs_per_rank, microbatches, seed, epoch)`` returns
-``plan[step][rank][microbatch] -> list of pair indices``. :func:`plan_epoch_array` returns the same plan as an
-:class:`EpochPlan` (one ``int64`` array plus the micro-batch sizes), which is what the sampler keeps.
+Entry point: :func:`plan_epoch` ``(costs, *, world_size, pairs_per_rank, microbatches | max_tokens_per_microbatch,
+seed, epoch)`` returns ``plan[step][rank][microbatch] -> list of pair indices``. :func:`plan_epoch_array` returns the
+same plan as an :class:`EpochPlan` (``int64`` arrays), which is what the sampler keeps.
 
 Costs:
     ``costs[i]`` is a positive integer weight of pair ``i``; the package passes the token cost
-    ``2 * len(prompt) + len(chosen) + len(rejected)`` (prompt+chosen plus prompt+rejected). Any other positive
-    integer weight (e.g. one with an attention term added) can be passed through the same signature.
+    ``2 * len(prompt) + len(chosen) + len(rejected)``, the length of the pair's two sequences in a packed row.
 
 Algorithm (``G = world_size * pairs_per_rank`` pairs per optimizer step):
     1. **Draw the global batches.** ``rng = np.random.default_rng([seed, epoch])`` permutes all ``N``
        indices; the tail ``N mod G`` of the permutation is dropped (so *which* pairs are dropped changes with
-       the epoch) and the rest is cut into ``steps = N // G`` consecutive global batches. This step sees
-       neither ``world_size`` nor ``microbatches``, so global batches are identical (as sets) for every
-       layout with the same ``G``: the property that makes DP/GA-invariance testable.
+       the epoch) and the rest is cut into ``steps = N // G`` consecutive global batches. This step sees only
+       ``G``, so global batches are identical (as sets) for every layout and budget with the same ``G``: the
+       property that makes DP/GA-invariance testable.
     2. **Split each global batch over the ranks** with :func:`balanced_partition`, a cardinality-constrained
-       Karmarkar-Karp (balanced largest differencing method): sort the ``G`` pairs by cost (descending), cut
-       them into ``pairs_per_rank`` windows of ``world_size`` pairs, treat every window as a partial
-       ``world_size``-way partition, and repeatedly merge the two partials with the largest spread (max - min
-       load), pairing the heaviest part of one with the lightest part of the other. Every window gives exactly
-       one pair to every part, so every rank gets exactly ``pairs_per_rank`` pairs. Then a swap refinement:
-       while exchanging one pair of the heaviest rank with one pair of the lightest rank lowers the larger of
-       the two below the current maximum, apply the best such exchange (this fixes most of what
-       Karmarkar-Karp leaves on heavy-tailed costs; cardinalities are unchanged).
-    3. **Split each rank's pairs into micro-batches** the same way (``microbatches`` parts; when
-       ``pairs_per_rank % microbatches != 0`` the rank is padded with zero-cost dummies that never move and
-       are removed afterwards, so sizes differ by at most one, larger micro-batches first, none empty).
-       Within a size class micro-batches are ordered heaviest first on every rank, so micro-step ``j`` is
-       roughly balanced across ranks too.
-    Inside a micro-batch, pairs keep their order in the epoch permutation. All steps are planned at once with
-    numpy (the Python loops run over merge and swap rounds, never over steps or pairs): 1,000,000 pairs take
-    about 0.2-2 s as arrays plus 0.4-2.7 s for the nested lists on a shared 2-core CPU.
+       Karmarkar-Karp (balanced largest differencing method) followed by a swap refinement: every rank gets
+       exactly ``pairs_per_rank`` pairs, with nearly equal summed cost.
+    3. **Split each rank's pairs into micro-batches**, one of two ways:
+
+       * fixed count (``microbatches=M``): :func:`balanced_partition` again, ``M`` parts of sizes
+         :func:`microbatch_sizes` (``pairs_per_rank % M`` is made up with zero-cost dummies that never move),
+         larger micro-batches first, then heavier ones first;
+       * token budget (``max_tokens_per_microbatch=B``): :func:`~pair_dpo_trainer.samplers.packing.pack_rows`,
+         micro-batches of summed cost ``<= B``; in each step every rank gets the same count ``M_step``, the most
+         any rank of the step needs, heaviest micro-batch first.
+
+       Either way micro-step ``j`` is roughly balanced across ranks, and inside a micro-batch pairs keep their
+       order in the epoch permutation. All steps are planned at once with numpy (Python loops run over merge, swap
+       and packing rounds, never over steps or pairs); planning times and balance are in ``docs/benchmarks.md``.
 
 Guarantees:
     * every pair index appears at most once per epoch and always whole (a pair is one index, never split);
     * exactly ``N mod G`` pairs are dropped, the last ones of the epoch permutation;
-    * every rank gets exactly ``pairs_per_rank`` pairs and exactly ``microbatches`` non-empty micro-batches of
-      sizes ``ceil(pairs_per_rank / microbatches)`` then ``floor(...)``, identical on all ranks and steps;
-    * the plan is a deterministic function of ``(costs, world_size, pairs_per_rank, microbatches, seed,
-      epoch)`` for a given numpy version (ties are broken by index, no SIMD-dependent selection; numpy does
-      not promise the ``Generator`` stream across versions, so ranks must share one numpy: compare
-      :meth:`EpochPlan.fingerprint`); the global batch of a step depends only on ``(len(costs), G, seed,
-      epoch)``;
-    * no single exchange between the heaviest and the lightest rank (or micro-batch) can lower their maximum
-      (a local optimum, unless the cap of ``4 * parts + 32`` swap rounds is hit). Balance itself is a
-      heuristic, not a bound: with 8 pairs per rank the median of (largest rank cost / mean rank cost) per
-      step is 1.000-1.003 on a realistic lognormal length mix (worst step 1.012) and 1.000-1.004 on a
-      heavy-tailed one (worst 1.38, steps where one pair outweighs a rank's share); random assignment gives
-      medians of 1.2-1.8. See ``docs/benchmarks.md``.
+    * every rank gets exactly ``pairs_per_rank`` pairs per step in non-empty micro-batches; with ``microbatches``
+      exactly that many, of sizes ``ceil(pairs_per_rank / microbatches)`` then ``floor(...)``, on every rank and
+      step; with a budget each micro-batch costs ``<= B`` and all ranks of a step have the same count;
+    * the plan is a deterministic function of the arguments for a given numpy version (ties are broken by index,
+      no SIMD-dependent selection; numpy does not promise the ``Generator`` stream across versions, so ranks must
+      share one numpy: compare :meth:`EpochPlan.fingerprint`), computed on the host with no collective;
+    * no single exchange between the heaviest and the lightest rank (or fixed-count micro-batch) can lower their
+      maximum (a local optimum, unless the cap of ``4 * parts + 32`` swap rounds is hit). Balance itself is a
+      heuristic, not a bound.
 
 Example:
     >>> costs = [10, 1, 1, 10, 5, 5, 3, 7]
     >>> plan_epoch(costs, world_size=2, pairs_per_rank=4, microbatches=2, seed=0, epoch=0)
     [[[[2, 3], [6, 7]], [[0, 1], [4, 5]]]]
+    >>> plan_epoch(costs, world_size=2, pairs_per_rank=4, max_tokens_per_microbatch=12, seed=0, epoch=0)
+    [[[[2, 3], [6, 7]], [[0, 1], [4, 5]]]]
 
     One step (G = 8, nothing dropped): rank 0 gets pairs {2, 3, 6, 7} (cost 1+10+3+7 = 21) and rank 1 gets
-    {0, 1, 4, 5} (cost 10+1+5+5 = 21), each as two micro-batches of two pairs, the heavier (11) before the
-    lighter (10). With ``epoch=1`` the same costs give a different order.
+    {0, 1, 4, 5} (cost 10+1+5+5 = 21), each as two micro-batches, the heavier (11) before the lighter (10). With a
+    budget of 12 tokens both ranks need two micro-batches; with ``epoch=1`` the same costs give a different order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from pair_dpo_trainer.errors import ScheduleError
+from pair_dpo_trainer.samplers.packing import pack_rows
 
 __all__ = [
     "EpochPlan",
@@ -81,6 +78,7 @@ __all__ = [
 ]
 
 _FINGERPRINT_VERSION = b"pair-dpo-plan-v1"
+_BUDGET_FINGERPRINT_VERSION = b"pair-dpo-budget-plan-v1"
 _SPREAD_MASK = np.int64(1) << 62  # pushes a spread below every live one (costs sum far below 2**62)
 
 
@@ -91,12 +89,14 @@ class EpochPlan:
     Attributes:
         pairs: ``[steps, world_size, pairs_per_rank]`` int64 pair indices; each rank's row is its
             micro-batches concatenated in order.
-        microbatch_sizes: ``[microbatches]`` sizes of the micro-batches of every rank (sum ``pairs_per_rank``,
-            non-increasing, differing by at most one).
+        sizes: ``[steps, world_size, M_max]`` int64 pairs per micro-batch of each rank row, in order, 0 past
+            the step's micro-batch count (identical for all ranks of a step in count, not in sizes).
+        max_tokens_per_microbatch: The token budget of a budget plan, None for a fixed-count plan.
     """
 
     pairs: np.ndarray
-    microbatch_sizes: tuple[int, ...]
+    sizes: np.ndarray
+    max_tokens_per_microbatch: int | None = None
 
     @property
     def steps(self) -> int:
@@ -114,38 +114,77 @@ class EpochPlan:
         return int(self.pairs.shape[2])
 
     @property
-    def microbatches(self) -> int:
-        """Micro-batches per rank per step."""
-        return len(self.microbatch_sizes)
+    def microbatch_counts(self) -> np.ndarray:
+        """``[steps]`` micro-batches per rank in each step (the same on every rank)."""
+        return (self.sizes[:, 0, :] > 0).sum(axis=1)
 
     @property
-    def bounds(self) -> list[tuple[int, int]]:
-        """``[microbatches]`` ``(start, stop)`` slices of a rank row, one per micro-batch."""
-        ends = np.cumsum(self.microbatch_sizes).tolist()
-        return list(zip([0] + ends[:-1], ends, strict=True))
+    def microbatch_sizes(self) -> tuple[int, ...]:
+        """The sizes shared by every rank and step of a fixed-count plan.
+
+        Raises:
+            ValueError: for a budget plan, whose sizes vary (use :attr:`sizes`).
+        """
+        if self.max_tokens_per_microbatch is not None:
+            raise ValueError("a token-budget plan has no common micro-batch sizes; read EpochPlan.sizes")
+        return tuple(int(n) for n in self.sizes[0, 0])
 
     def rank_microbatches(self, rank: int) -> list[list[list[int]]]:
         """Returns ``[step][microbatch] -> pair indices`` for one rank."""
-        bounds = self.bounds
-        return [[row[a:b] for a, b in bounds] for row in self.pairs[:, rank, :].tolist()]
+        rows = self.pairs[:, rank].tolist()
+        with _no_gc():
+            if self.max_tokens_per_microbatch is None:
+                bounds = self._bounds()
+                return [[row[a:b] for a, b in bounds] for row in rows]
+            ends, counts = np.cumsum(self.sizes[:, rank], axis=1).tolist(), self.microbatch_counts.tolist()
+            return [_cut(row, e[:m]) for row, e, m in zip(rows, ends, counts, strict=True)]
 
     def to_lists(self) -> list[list[list[list[int]]]]:
         """Returns the nested ``[step][rank][microbatch] -> pair indices`` form of :func:`plan_epoch`."""
-        bounds = self.bounds
-        was_enabled = gc.isenabled()
-        gc.disable()  # millions of small lists: collector passes would dominate the build time
-        try:
-            return [[[row[a:b] for a, b in bounds] for row in step] for step in self.pairs.tolist()]
-        finally:
-            if was_enabled:
-                gc.enable()
+        with _no_gc():
+            if self.max_tokens_per_microbatch is None:
+                bounds = self._bounds()
+                return [[[row[a:b] for a, b in bounds] for row in step] for step in self.pairs.tolist()]
+            ends, counts = np.cumsum(self.sizes, axis=2).tolist(), self.microbatch_counts.tolist()
+            return [
+                [_cut(row, e[:m]) for row, e in zip(step, step_ends, strict=True)]
+                for step, step_ends, m in zip(self.pairs.tolist(), ends, counts, strict=True)
+            ]
 
     def fingerprint(self) -> str:
-        """Returns a 16-hex-digit digest of the whole plan (all ranks, layout included)."""
-        digest = hashlib.sha256(_FINGERPRINT_VERSION)
-        digest.update(np.asarray(self.pairs.shape + self.microbatch_sizes, dtype="<i8").tobytes())
+        """Returns a 16-hex-digit digest of the whole plan (all ranks, layout and budget included)."""
+        if self.max_tokens_per_microbatch is None:  # the same bytes as before budgets existed
+            digest = hashlib.sha256(_FINGERPRINT_VERSION)
+            digest.update(np.asarray(self.pairs.shape + self.microbatch_sizes, dtype="<i8").tobytes())
+        else:
+            digest = hashlib.sha256(_BUDGET_FINGERPRINT_VERSION)
+            layout = (*self.pairs.shape, self.max_tokens_per_microbatch)
+            digest.update(np.asarray(layout, dtype="<i8").tobytes())
+            digest.update(np.ascontiguousarray(self.sizes, dtype="<i8").tobytes())
         digest.update(np.ascontiguousarray(self.pairs, dtype="<i8").tobytes())
         return digest.hexdigest()[:16]
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        """``(start, stop)`` slices of a rank row, one per micro-batch (fixed-count plans: the same everywhere)."""
+        ends = np.cumsum(self.microbatch_sizes).tolist()
+        return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+@contextlib.contextmanager
+def _no_gc() -> Iterator[None]:
+    """Millions of small lists: the cyclic collector's passes would dominate building them."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _cut(row: list[int], ends: list[int]) -> list[list[int]]:
+    """Splits one rank row at the micro-batch ``ends``."""
+    return [row[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
 
 
 def microbatch_sizes(pairs_per_rank: int, microbatches: int) -> tuple[int, ...]:
@@ -268,7 +307,14 @@ def _differencing_merges(windows: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
 
 
 def plan_epoch_array(
-    costs: Sequence[int], *, world_size: int, pairs_per_rank: int, microbatches: int, seed: int, epoch: int
+    costs: Sequence[int],
+    *,
+    world_size: int,
+    pairs_per_rank: int,
+    microbatches: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    seed: int,
+    epoch: int,
 ) -> EpochPlan:
     """Plans one epoch; array form of :func:`plan_epoch` (same arguments, same plan).
 
@@ -276,12 +322,13 @@ def plan_epoch_array(
         An :class:`EpochPlan` with ``pairs [steps, world_size, pairs_per_rank]``.
 
     Raises:
-        ScheduleError: ``bad_layout``, ``microbatches_exceed_pairs``, ``bad_cost``, ``too_few_pairs`` or
-            ``bad_seed`` (see ``docs/reason_codes.md``).
+        ScheduleError: see :func:`plan_epoch`.
     """
-    _check_layout(world_size, pairs_per_rank, microbatches)
+    _check_layout(world_size, pairs_per_rank, microbatches, max_tokens_per_microbatch)
     cost = _check_costs(costs)
     _check_seed(seed, epoch)
+    if max_tokens_per_microbatch is not None:
+        check_budget(cost, max_tokens_per_microbatch)
     group = world_size * pairs_per_rank
     if cost.size < group:
         raise ScheduleError(
@@ -293,23 +340,45 @@ def plan_epoch_array(
         )
     steps = cost.size // group
     perm = np.random.default_rng([seed, epoch]).permutation(cost.size)[: steps * group].reshape(steps, group)
-    sizes = microbatch_sizes(pairs_per_rank, microbatches)
     by_rank = _split_ranks(perm, cost[perm], world_size)  # [steps, W, P]
     flat = by_rank.reshape(steps * world_size, pairs_per_rank)
-    ordered = _split_microbatches(flat, cost[flat], microbatches)
-    return EpochPlan(pairs=ordered.reshape(steps, world_size, pairs_per_rank), microbatch_sizes=sizes)
+    if max_tokens_per_microbatch is None:
+        ordered = _split_microbatches(flat, cost[flat], microbatches)
+        sizes = np.broadcast_to(
+            np.asarray(microbatch_sizes(pairs_per_rank, microbatches)), (steps, world_size, microbatches)
+        )
+    else:
+        columns, sizes = pack_rows(cost[flat], int(max_tokens_per_microbatch), world_size)
+        ordered = np.take_along_axis(flat, columns, axis=1)
+        sizes = sizes.reshape(steps, world_size, -1)
+    return EpochPlan(
+        pairs=ordered.reshape(steps, world_size, pairs_per_rank),
+        sizes=np.ascontiguousarray(sizes, dtype=np.int64),
+        max_tokens_per_microbatch=None if max_tokens_per_microbatch is None else int(max_tokens_per_microbatch),
+    )
 
 
 def plan_epoch(
-    costs: Sequence[int], *, world_size: int, pairs_per_rank: int, microbatches: int, seed: int, epoch: int
+    costs: Sequence[int],
+    *,
+    world_size: int,
+    pairs_per_rank: int,
+    microbatches: int | None = None,
+    max_tokens_per_microbatch: int | None = None,
+    seed: int,
+    epoch: int,
 ) -> list[list[list[list[int]]]]:
     """Plans one epoch of pair-atomic, cost-balanced batches (algorithm and guarantees: module docstring).
+
+    Give exactly one of ``microbatches`` (fixed count) and ``max_tokens_per_microbatch`` (token budget).
 
     Args:
         costs: ``[N]`` positive integer cost of each pair (token cost of prompt+chosen plus prompt+rejected).
         world_size: Number of data-parallel ranks (processes).
         pairs_per_rank: Pairs each rank takes per optimizer step (all its micro-batches together).
         microbatches: Micro-batches per rank per step (gradient accumulation steps), ``<= pairs_per_rank``.
+        max_tokens_per_microbatch: Token budget ``B``: micro-batches of summed cost ``<= B``, as many per step
+            as the rank that needs the most (every cost must be ``<= B``).
         seed: Non-negative shuffling seed.
         epoch: Non-negative epoch number; a different epoch gives a different order.
 
@@ -318,14 +387,15 @@ def plan_epoch(
         steps.
 
     Raises:
-        ScheduleError: ``bad_layout``, ``microbatches_exceed_pairs``, ``bad_cost``, ``too_few_pairs`` or
-            ``bad_seed`` (see ``docs/reason_codes.md``).
+        ScheduleError: ``bad_layout``, ``microbatches_exceed_pairs``, ``bad_cost``, ``pair_too_long``,
+            ``too_few_pairs`` or ``bad_seed`` (see ``docs/reason_codes.md``).
     """
     return plan_epoch_array(
         costs,
         world_size=world_size,
         pairs_per_rank=pairs_per_rank,
         microbatches=microbatches,
+        max_tokens_per_microbatch=max_tokens_per_microbatch,
         seed=seed,
         epoch=epoch,
     ).to_lists()
@@ -366,22 +436,44 @@ def is_integer(value: object) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _check_layout(world_size: int, pairs_per_rank: int, microbatches: int) -> None:
+def _check_layout(world_size: int, pairs_per_rank: int, microbatches: int | None, budget: int | None) -> None:
+    if (microbatches is None) == (budget is None):
+        raise ScheduleError(
+            "bad_layout",
+            "give exactly one of microbatches (gradient_accumulation_steps, a fixed count) and "
+            f"max_tokens_per_microbatch (a token budget); got microbatches={microbatches!r}, "
+            f"max_tokens_per_microbatch={budget!r}.",
+        )
     options = {
         "world_size": (world_size, "the number of processes"),
         "pairs_per_rank": (pairs_per_rank, "per_device_train_batch_size x gradient_accumulation_steps"),
         "microbatches": (microbatches, "gradient_accumulation_steps"),
+        "max_tokens_per_microbatch": (budget, "max_tokens_per_microbatch"),
     }
     for name, (value, option) in options.items():
-        if not is_integer(value) or value < 1:
+        if value is not None and (not is_integer(value) or value < 1):
             raise ScheduleError("bad_layout", f"{name} must be a positive integer, got {value!r}; check {option}.")
-    if microbatches > pairs_per_rank:
+    if microbatches is not None and microbatches > pairs_per_rank:
         raise ScheduleError(
             "microbatches_exceed_pairs",
             f"microbatches ({microbatches}, gradient_accumulation_steps) exceeds pairs_per_rank "
             f"({pairs_per_rank}, the pairs each rank takes per optimizer step: per_device_train_batch_size x "
             "gradient_accumulation_steps), so some micro-batch would be empty; lower "
             "gradient_accumulation_steps or raise per_device_train_batch_size to at least 1.",
+        )
+
+
+def check_budget(cost: np.ndarray, budget: int) -> None:
+    """Raises ``ScheduleError('pair_too_long')`` when some pair's cost exceeds the micro-batch budget."""
+    over = np.flatnonzero(np.asarray(cost) > budget)
+    if over.size:
+        i = int(over[0])
+        raise ScheduleError(
+            "pair_too_long",
+            f"pair {i} costs {int(cost[i])} tokens (2 x prompt + chosen + rejected), more than "
+            f"max_tokens_per_microbatch={budget} ({over.size} pairs do); a pair is never split, so it fits no "
+            "micro-batch: raise max_tokens_per_microbatch, or drop / truncate those pairs (max_length, "
+            "max_prompt_length) before training.",
         )
 
 

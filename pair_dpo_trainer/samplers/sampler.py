@@ -1,15 +1,22 @@
-"""``PairBatchSampler``: one rank's view of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch`.
+"""One rank's view of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch`: ``PairBatchSampler``, ``PairStepSampler``.
 
-A plain, re-iterable batch sampler: every iteration yields one ``list[int]`` of pair indices per
-micro-batch, ``steps_per_epoch * microbatches`` lists per epoch, so it can be passed as
-``DataLoader(batch_sampler=...)`` and wrapped by accelerate's ``SkipBatchSampler`` (what HF Trainer's
-``skip_first_batches`` does on resume). All ranks plan the same epoch from the same arguments;
-:meth:`PairBatchSampler.schedule_fingerprint` lets the trainer check that they agree.
+Plain, re-iterable batch samplers, so they can be passed as ``DataLoader(batch_sampler=...)`` and wrapped by
+accelerate's ``SkipBatchSampler`` (what HF Trainer's ``skip_first_batches`` does on resume):
+
+* :class:`PairBatchSampler` (fixed count) yields one ``list[int]`` of pair indices per micro-batch,
+  ``steps_per_epoch * microbatches`` per epoch: HF Trainer's own gradient accumulation groups them into steps.
+* :class:`PairStepSampler` (fixed count or token budget) yields one item per optimizer step, the step's
+  micro-batches as a ``list[list[int]]``: ``steps_per_epoch`` per epoch, however many micro-batches each step has
+  (with a budget, ``M_step`` varies from step to step; it is the same on every rank).
+
+All ranks plan the same epoch from the same arguments; ``schedule_fingerprint`` lets the trainer check that they
+agree.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
@@ -17,20 +24,21 @@ from torch.utils.data import Sampler
 from pair_dpo_trainer.errors import ScheduleError
 from pair_dpo_trainer.samplers.planner import EpochPlan, is_integer, plan_epoch_array
 
-__all__ = ["PairBatchSampler"]
+__all__ = ["PairBatchSampler", "PairStepSampler"]
 
 _CACHED_EPOCHS = 2
 
 
-class PairBatchSampler(Sampler[list[int]]):
-    """Batch sampler of balanced, pair-atomic micro-batches for one data-parallel rank.
+class _PlannedSampler(Sampler):
+    """Planning, per-epoch caching, fingerprints and the resume offset shared by both samplers.
 
     Args:
         costs: ``[N]`` positive integer cost of each pair (see ``plan_epoch``).
         world_size: Number of data-parallel ranks.
         rank: This process's rank in ``[0, world_size)``.
         pairs_per_rank: Pairs each rank takes per optimizer step.
-        microbatches: Micro-batches per rank per step (gradient accumulation steps).
+        microbatches: Micro-batches per rank per step (fixed count), or None with a budget.
+        max_tokens_per_microbatch: Token budget of one micro-batch, or None for a fixed count.
         seed: Non-negative shuffling seed; must be the same on all ranks.
         epoch: Initial epoch (change it with :meth:`set_epoch`).
 
@@ -46,7 +54,8 @@ class PairBatchSampler(Sampler[list[int]]):
         world_size: int,
         rank: int,
         pairs_per_rank: int,
-        microbatches: int,
+        microbatches: int | None = None,
+        max_tokens_per_microbatch: int | None = None,
         seed: int,
         epoch: int = 0,
     ) -> None:
@@ -56,6 +65,7 @@ class PairBatchSampler(Sampler[list[int]]):
             "world_size": world_size,
             "pairs_per_rank": pairs_per_rank,
             "microbatches": microbatches,
+            "max_tokens_per_microbatch": max_tokens_per_microbatch,
         }
         self._seed = seed
         self.epoch = epoch
@@ -68,6 +78,7 @@ class PairBatchSampler(Sampler[list[int]]):
         self.world_size = world_size
         self.pairs_per_rank = pairs_per_rank
         self.microbatches = microbatches
+        self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self._steps = first.steps
 
     @property
@@ -85,13 +96,6 @@ class PairBatchSampler(Sampler[list[int]]):
         """``G = world_size * pairs_per_rank``: pairs per optimizer step over all ranks."""
         return self.world_size * self.pairs_per_rank
 
-    def __len__(self) -> int:
-        """Micro-batches per epoch (``steps_per_epoch * microbatches``), identical on all ranks.
-
-        Always the full epoch, even after :meth:`set_start_step` (use either it or ``SkipBatchSampler``).
-        """
-        return self._steps * self.microbatches
-
     def set_epoch(self, epoch: int) -> None:
         """Selects the epoch whose plan the next iteration follows (HF/accelerate call this each epoch)."""
         self.epoch = epoch
@@ -99,8 +103,8 @@ class PairBatchSampler(Sampler[list[int]]):
     def set_start_step(self, step: int) -> None:
         """Makes the next iteration start at optimizer step ``step`` of the same plan (exact resume).
 
-        The first ``step * microbatches`` micro-batches are skipped; the iteration after that one starts at
-        step 0 again.
+        The next iteration skips the first ``step`` steps; the iteration after that one starts at step 0 again.
+        Use either this or ``SkipBatchSampler``, not both.
 
         Raises:
             ScheduleError: ``step_out_of_range`` unless ``0 <= step <= steps_per_epoch``.
@@ -117,6 +121,10 @@ class PairBatchSampler(Sampler[list[int]]):
         self._check_step(step, inclusive=False)
         return self.global_pairs_per_step
 
+    def microbatch_counts(self, epoch: int | None = None) -> list[int]:
+        """Micro-batches per rank of every step of ``epoch`` (default: the current epoch); equal on all ranks."""
+        return self._plan(self.epoch if epoch is None else epoch).microbatch_counts.tolist()
+
     def schedule_fingerprint(self, epoch: int | None = None) -> str:
         """16-hex-digit digest of the full plan (all ranks) of ``epoch`` (default: the current epoch).
 
@@ -128,16 +136,10 @@ class PairBatchSampler(Sampler[list[int]]):
         """This rank's ``[step][microbatch] -> pair indices`` for ``epoch`` (default: the current epoch)."""
         return self._rank_lists(self.epoch if epoch is None else epoch)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        """Yields this rank's micro-batches of the current epoch, from the start step (then reset to 0)."""
+    def _steps_to_run(self) -> list[list[list[int]]]:
+        """The current epoch's steps of this rank from the start step (which is then reset to 0)."""
         start, self._start_step = self._start_step, 0
-        return self._iterate(self._rank_lists(self.epoch), start)
-
-    @staticmethod
-    def _iterate(steps: list[list[list[int]]], start: int) -> Iterator[list[int]]:
-        for step in steps[start:]:
-            for microbatch in step:
-                yield list(microbatch)
+        return self._rank_lists(self.epoch)[start:]
 
     def _check_step(self, step: int, *, inclusive: bool) -> None:
         stop = self._steps + 1 if inclusive else self._steps
@@ -165,3 +167,67 @@ class PairBatchSampler(Sampler[list[int]]):
                 del self._cache[next(iter(self._cache))]
             self._cache[epoch] = (plan, None)
         return self._cache[epoch]
+
+
+class PairBatchSampler(_PlannedSampler):
+    """Batch sampler of balanced, pair-atomic micro-batches for one data-parallel rank (fixed count).
+
+    Takes the arguments of :class:`_PlannedSampler` with ``microbatches`` (gradient accumulation steps); every step
+    has exactly that many micro-batches, so HF Trainer's gradient accumulation can group them.
+    """
+
+    def __init__(self, costs: Sequence[int], **kwargs: Any) -> None:
+        if kwargs.get("max_tokens_per_microbatch") is not None:
+            raise ScheduleError(
+                "bad_layout",
+                "PairBatchSampler yields micro-batches of a fixed count; with a token budget every step has its own "
+                "count: use PairStepSampler.",
+            )
+        super().__init__(costs, **kwargs)
+
+    def __len__(self) -> int:
+        """Micro-batches per epoch (``steps_per_epoch * microbatches``), identical on all ranks.
+
+        Always the full epoch, even after :meth:`set_start_step` (use either it or ``SkipBatchSampler``).
+        """
+        return self._steps * self.microbatches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yields this rank's micro-batches of the current epoch, from the start step (then reset to 0)."""
+        return (list(microbatch) for step in self._steps_to_run() for microbatch in step)
+
+
+class PairStepSampler(_PlannedSampler):
+    """Batch sampler of whole optimizer steps for one data-parallel rank (fixed count or token budget).
+
+    Each item is one step's micro-batches, ``list[list[int]]`` of pair indices; pair it with
+    :class:`~pair_dpo_trainer.collators.step.StepPairs` (a dataset view that takes a micro-batch of indices) and
+    :class:`~pair_dpo_trainer.collators.step.StepCollator`.
+    """
+
+    def __len__(self) -> int:
+        """Optimizer steps per epoch, identical on all ranks (always the full epoch, as ``PairBatchSampler``)."""
+        return self._steps
+
+    def __iter__(self) -> Iterator[list[list[int]]]:
+        """Yields this rank's steps of the current epoch, from the start step (then reset to 0)."""
+        return ([list(microbatch) for microbatch in step] for step in self._steps_to_run())
+
+
+def train_sampler(costs: Sequence[int], args: Any) -> PairBatchSampler | PairStepSampler:
+    """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
+    them), or whole steps when ``max_tokens_per_microbatch`` is set.
+
+    Args:
+        costs: ``[N]`` pair costs of the train dataset.
+        args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
+    """
+    layout = {
+        "world_size": args.world_size,
+        "rank": args.process_index,
+        "pairs_per_rank": args.pairs_per_rank_per_step,
+        "seed": args.data_seed if args.data_seed is not None else args.seed,
+    }
+    if args.max_tokens_per_microbatch is None:
+        return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
+    return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)

@@ -3,11 +3,13 @@
 # check_model / train_run for the ZeRO-3 train.py checks.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export TORCHINDUCTOR_CACHE_DIR=/tmp/inductor_cache  # kept on a warm machine: later runs and calls reuse the kernels
-if [ -d /tmp/site/deepspeed ]; then echo "warm machine: /tmp/site already installed"; else
+# DRY_RUN=1: install nothing and let run() print its commands instead (tests/test_bench_dpo.py checks the scripts' flags)
+if [ -n "$DRY_RUN" ]; then :; elif [ -d /tmp/site/deepspeed ]; then echo "warm machine: /tmp/site already installed"; else
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1; fi
 export PYTHONPATH=/tmp/site:$PWD
 # run SECONDS LOG CMD...: appends a header, the output and the rc to $OUT/LOG; the timeout is cut to the deadline
 run() {
+  if [ -n "$DRY_RUN" ]; then shift 2; echo "DRY_RUN: $*"; return; fi
   local t=$1 log=$OUT/$2; shift 2; local left=$((DEADLINE - $(date +%s)))
   if [ "$left" -lt 15 ]; then echo "SKIPPED (deadline): $*" | tee -a "$log"; return; fi
   [ "$left" -lt "$t" ] && t=$left

@@ -24,7 +24,7 @@ run 90 ours_prof.log $B --tag ours_compile_prof --compile --profile --steps 3 --
 run 80 ours_254m.log $B --tag ours_compile_precomputed --compile --reference precomputed --steps 20
 run 90 ours_1p5b.log $B --tag ours_1p5b_eager $L --ceiling
 run 120 ours_1p5b.log $B --tag ours_1p5b_compile $L --compile --ceiling
-run 120 ours_1p5b.log $B --tag ours_1p5b_16k_compile $L --compile --ceiling --max-tokens-microbatch 16384
+run 120 ours_1p5b.log $B --tag ours_1p5b_16k_compile $L --compile --ceiling --bs-for-tokens 16384
 cp $OUT/results.jsonl /tmp/h200_compile_results.jsonl 2>/dev/null  # for call 2's ratios on a warm machine
 grep -h -E "^(RATIO|WARNING|SKIPPED|Traceback|\S*Error)" $OUT/*.log
 sed -n '/^Host wall time per step/,$p' $OUT/profile_summary.txt

@@ -14,5 +14,5 @@ timeout 80 $B --tag ours --ceiling > $OUT/ours.log 2>&1; echo "ours rc=$?"
 timeout 60 $B --tag ours_prof --profile --steps 3 --warmup 3 > $OUT/ours_prof.log 2>&1; echo "prof rc=$?"
 timeout 60 $B --tag ours_precomputed --reference precomputed --steps 15 > $OUT/ours_pre.log 2>&1; echo "pre rc=$?"
 timeout 90 $B --tag ours_1p5b --model-size 1.5b --ceiling --steps 20 --warmup 3 > $OUT/ours_1p5b.log 2>&1; echo "1p5b rc=$?"
-timeout 90 $B --tag ours_1p5b_16k --model-size 1.5b --max-tokens-microbatch 16384 --ceiling --steps 15 --warmup 3 > $OUT/ours_1p5b_16k.log 2>&1; echo "16k rc=$?"
+timeout 90 $B --tag ours_1p5b_16k --model-size 1.5b --bs-for-tokens 16384 --ceiling --steps 15 --warmup 3 > $OUT/ours_1p5b_16k.log 2>&1; echo "16k rc=$?"
 grep -h -E "^(RATIO|Traceback|\S*Error)" $OUT/*.log; head -30 $OUT/profile_summary.txt; $B --summarize $OUT/results.jsonl

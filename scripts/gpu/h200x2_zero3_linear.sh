@@ -11,7 +11,7 @@ zero3_variant zero3_plainlinear memory_efficient_linear false
 B="scripts/bench_dpo.py --no-cudnn-sdp --progress"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
 Z3T="accelerate launch --config_file accelerate_configs/zero3_overlap.yaml --num_processes 2"
 Z3P="accelerate launch --config_file /tmp/zero3_plainlinear.yaml --num_processes 2"
-L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --max-tokens-microbatch 16384 --steps 8 --warmup 3"
+L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --bs-for-tokens 16384 --steps 8 --warmup 3"
 run 50 ours_1p5b.log $ONE $B --tag ours_1gpu_1p5b $L
 run 80 ours_1p5b.log $Z3P --main_process_port 29641 $B --tag ours_z3plain_1p5b $L --ref-zero-stage 0
 run 80 ours_1p5b.log $Z3T --main_process_port 29642 $B --tag ours_z3tuned_1p5b $L --ref-zero-stage 0

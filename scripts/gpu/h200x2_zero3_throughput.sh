@@ -16,7 +16,7 @@ python3 -c "import torch,transformers as t,deepspeed as d;print(torch.__version_
 B="scripts/bench_dpo.py --no-cudnn-sdp --progress"; ONE="env CUDA_VISIBLE_DEVICES=0 python3"
 Z3="accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 2"
 DDP="accelerate launch --config_file accelerate_configs/multi_gpu_ddp.yaml --num_processes 2"
-L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --max-tokens-microbatch 16384 --steps 6 --warmup 3"
+L="--model-size 1.5b --steps 10 --warmup 3"; K="--model-size 1.5b --bs-for-tokens 16384 --steps 6 --warmup 3"
 Z3T="accelerate launch --config_file accelerate_configs/zero3_overlap.yaml --num_processes 2"
 run 60 ours_1p5b.log $ONE $B --tag ours_1gpu_1p5b $L
 run 110 ours_1p5b.log $Z3 --main_process_port 29611 $B --tag ours_z3_1p5b $L

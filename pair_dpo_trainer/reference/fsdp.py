@@ -1,0 +1,159 @@
+"""The reference under FSDP2: sharded with ``fully_shard`` as an inference-only module, or replicated.
+
+Under an FSDP2 policy (``modeling.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
+``accelerator.prepare`` takes one model). It is built here, in one of two layouts (``PairDPOConfig.ref_fsdp_shard``):
+
+- **Sharded** (default, ``None`` or ``True``): its parameters cast to the policy's FSDP2 compute dtype
+  (``param_dtype`` of the plugin's mixed-precision policy: bf16 with ``bf16=True``; unchanged in fp32; buffers keep
+  their dtype, as under the policy's mixed-precision policy: :func:`cast_parameters`), ``eval()``,
+  ``requires_grad_(False)``, then ``fully_shard`` on every decoder layer, on the input embedding (when it is not
+  tied to the head) and on the root (final norm, head), each with ``reshard_after_forward=True``: a unit is
+  all-gathered for its forward and freed right after, so the reference never holds more than one layer unsharded
+  (TRL's ``prepare_fsdp`` shards only the root, which all-gathers the whole model for every forward). No
+  gradients, no optimizer state, no reduce-scatter: the reference only ever runs forwards under ``no_grad``. Each
+  rank keeps ``1/world_size`` of every parameter; ``ref_offload_params=True`` keeps those shards in CPU memory
+  (``CPUOffloadPolicy``; ``None`` follows ``fsdp_offload_params``). Stored in the compute dtype, its all-gathers
+  move half the bytes of an fp32 copy.
+- **Replicated** (``ref_fsdp_shard=False``): the same cast, whole on every rank, a plain module: no all-gathers and
+  no FSDP hooks in its forward, at the cost of a whole copy per GPU (2 bytes per parameter in bf16).
+
+Both layouts compute the same log-probs (the same dtype, the same kernels) and have the same identity: the
+parameter digest hashes each parameter's full value, gathered one parameter at a time with
+``DTensor.full_tensor()`` (a collective, in sorted-name order on every rank: never the whole model on one rank;
+:func:`~pair_dpo_trainer.reference.engine.gathered_named_parameters`), so a checkpoint written with one layout
+resumes with the other, and a precompute cache is shared by both.
+
+With ``torch_compile`` the reference's decoder layers are compiled in place *before* ``fully_shard`` (the order
+Accelerate uses for the policy, ``compile_regions_fsdp2``), so FSDP's hooks stay outside the compiled regions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.fsdp2 import compute_dtype, offloads_params
+from pair_dpo_trainer.modeling.layers import find_decoder_layers
+from pair_dpo_trainer.reference.base import FrozenReference
+
+logger = logging.getLogger(__name__)
+
+
+def fsdp_reference_problems(args: Any, *, fsdp: bool, peft_reference: bool) -> list[tuple[str, str]]:
+    """``(reason_code, message)`` for reference options that do not fit the run's FSDP setting.
+
+    Args:
+        args: The run's ``PairDPOConfig``.
+        fsdp: Whether the policy runs under FSDP2.
+        peft_reference: Whether the reference is the PEFT policy with its adapters disabled.
+    """
+    if args.reference_free and args.ref_fsdp_shard is not None:
+        return [("unsupported_combination", "reference_free=True builds no reference: remove ref_fsdp_shard.")]
+    if not fsdp:
+        if args.ref_fsdp_shard is None:
+            return []
+        return [
+            (
+                "unsupported_combination",
+                f"ref_fsdp_shard={args.ref_fsdp_shard} sets the layout of an FSDP2 reference, but this run does not "
+                "use FSDP2: launch with an FSDP2 config (accelerate_configs/fsdp2.yaml) or leave ref_fsdp_shard unset.",
+            )
+        ]
+    if peft_reference and args.precompute_ref_logps:
+        return [
+            (
+                "unsupported_combination",
+                "precompute_ref_logps=True with a PEFT policy under FSDP2: its reference is the policy itself, which "
+                "Accelerate shards only when train() starts, so a reference pass before training would run the whole "
+                "unsharded policy on one device. Leave precompute_ref_logps off (the adapter-disabled reference is one "
+                "no-grad forward of the sharded policy), or set ref_model_name_or_path for a separate reference.",
+            )
+        ]
+    return []
+
+
+def build_fsdp_reference(
+    model: torch.nn.Module, *, plugin: Any, args: Any, device: torch.device | str
+) -> FrozenReference:
+    """The reference of an FSDP2 run, sharded or replicated (see the module docstring).
+
+    Args:
+        model: The loaded reference (whole, on the CPU, packed attention configured), or a module already sharded
+            with ``fully_shard`` (used as it is).
+        plugin: The run's FSDP2 plugin (compute dtype, offloading).
+        args: The run's ``PairDPOConfig`` (``ref_fsdp_shard``, ``ref_offload_params``, ``torch_compile*``,
+            ``logps_chunk_size``).
+        device: The device of this rank.
+
+    Raises:
+        ConfigError: ``unsupported_combination`` for ``ref_fsdp_shard=False`` with an already sharded model, or a
+            reference without recognisable decoder layers to shard.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    shard = args.ref_fsdp_shard is not False
+    if isinstance(model, FSDPModule):
+        if not shard:
+            raise ConfigError(
+                "unsupported_combination",
+                "the ref_model object is already sharded with fully_shard, but ref_fsdp_shard=False replicates the "
+                "reference: pass an unsharded model (or ref_model_name_or_path), or leave ref_fsdp_shard unset.",
+            )
+        return FrozenReference(model, chunk_size=args.logps_chunk_size)
+    dtype = compute_dtype(plugin)
+    model = model.eval().requires_grad_(False)
+    if dtype is not None:
+        cast_parameters(model, dtype)
+    if args.torch_compile:
+        options = {"backend": args.torch_compile_backend or "inductor", "mode": args.torch_compile_mode}
+        compile_decoder_layers(model, **options)
+    if shard:
+        offload = offloads_params(plugin) if args.ref_offload_params is None else args.ref_offload_params
+        shard_reference(model, offload=offload)
+    else:
+        model = model.to(device)
+    logger.info("FSDP2 reference: %s, %s", "sharded" if shard else "replicated", dtype or "parameter dtype")
+    return FrozenReference(model, chunk_size=args.logps_chunk_size)
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts the parameters (not the buffers) to ``dtype`` in place, as FSDP2's ``MixedPrecisionPolicy`` does for the
+    policy: a buffer such as the rotary ``inv_freq`` stays float32 (``model.to(bf16)`` would round it, and the
+    reference would no longer compute what the policy computes at step 0). Tied parameters stay tied."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+
+
+def shard_reference(model: torch.nn.Module, *, offload: bool = False) -> None:
+    """``fully_shard`` on every decoder layer, the untied input embedding and the root, for inference (in place).
+
+    Args:
+        model: A frozen causal LM (``requires_grad=False``) in its compute dtype.
+        offload: Keep the shards in CPU memory (``CPUOffloadPolicy``).
+
+    Raises:
+        ConfigError: ``unsupported_combination`` when the model has no recognisable decoder layers.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    layers = find_decoder_layers(model)
+    if layers is None:
+        raise ConfigError(
+            "unsupported_combination",
+            f"the FSDP2 reference is sharded per decoder layer, but {type(model).__name__} has none that "
+            "pair_dpo_trainer recognises: set ref_fsdp_shard=False to replicate it.",
+        )
+    options = {
+        "reshard_after_forward": True,
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
+    }
+    for layer in layers:
+        fully_shard(layer, **options)
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if embedding is not None and (head is None or embedding.weight is not head.weight):
+        fully_shard(embedding, **options)
+    fully_shard(model, **options)
