@@ -4,6 +4,10 @@ Every input path gets the same length limits and the same truncation rule
 (:func:`~pair_dpo_trainer.data.tokenize.truncate_pair`): raw rows are tokenised and truncated, pre-tokenised rows are
 truncated, and a ``prepare-data`` split (:class:`~pair_dpo_trainer.data.prepared.PreparedSplit`) is first checked
 against the run's tokenizer and limits, then truncated. The number of truncated pairs is logged once per dataset.
+
+What the trainer then holds is Arrow, memory-mapped (issue 20): raw rows and pre-tokenised ``datasets.Dataset`` rows
+are converted once per node, on ``dataset_num_proc`` workers, into the tokenised-pairs cache
+(:mod:`pair_dpo_trainer.data.pairs`); a split prepared with the run's own limits is its ``<split>.arrow``.
 """
 
 from __future__ import annotations
@@ -49,13 +53,11 @@ def as_pair_dataset(
 ) -> Any:
     """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``.
 
-    Rows are converted strictly: the first malformed (or, once truncated, invalid) row raises its
-    ``PreferenceRowError`` naming the row by its 0-based index (the trainer fails closed; use ``pair-dpo
-    prepare-data`` to drop and count bad rows instead).
-
-    Raw rows and pre-tokenised ``datasets.Dataset`` rows are converted once per node by ``num_proc`` workers into the
-    tokenised-pairs cache and memory-mapped (:mod:`pair_dpo_trainer.data.pairs`); a prepared split prepared with the
-    run's limits is memory-mapped as it is; a Python list of pre-tokenised rows is truncated in this process.
+    Strict: the first malformed (or, once truncated, invalid) row raises its ``PreferenceRowError`` naming it by its
+    0-based index (``pair-dpo prepare-data`` drops and counts bad rows instead). Raw rows and pre-tokenised
+    ``datasets.Dataset`` rows are converted once per node by ``num_proc`` workers into the cache and memory-mapped
+    (:mod:`pair_dpo_trainer.data.pairs`); a split prepared with the run's limits is memory-mapped as it is; a Python
+    list of pre-tokenised rows is truncated in this process.
 
     Args:
         dataset: Preference rows in any supported shape, tokenised pairs, a :class:`PreparedSplit`, or a dict of
@@ -70,8 +72,8 @@ def as_pair_dataset(
         node: This process's node (None: a single process).
 
     Returns:
-        A ``datasets.Dataset`` (memory-mapped) or, for a Python list of pre-tokenised rows, a sequence of feature
-        dicts; pre-tokenised input that needed no truncation is returned as it is.
+        A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows); pre-tokenised
+        input that needed no truncation is returned as it is.
 
     Raises:
         ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` for a prepared split that does not fit
@@ -89,30 +91,44 @@ def as_pair_dataset(
             name: as_pair_dataset(part, tokenizer, **limits, **options, desc=f"{desc} {name!r}")
             for name, part in dataset.items()
         }
+    return _one_dataset(dataset, tokenizer, limits, desc, **options)
+
+
+def _one_dataset(
+    dataset: Any,
+    tokenizer: Any,
+    limits: Mapping[str, Any],
+    desc: str,
+    *,
+    progress: bool,
+    num_proc: int,
+    cache_dir: str | None,
+    node: Node | None,
+) -> Any:
+    """:func:`as_pair_dataset` of one dataset."""
     if isinstance(dataset, PreparedSplit):
-        dataset.check(tokenizer, max_length=max_length, max_prompt_length=max_prompt_length)
-        if dataset.prepared_with(max_length=max_length, max_prompt_length=max_prompt_length):
+        dataset.check(tokenizer, max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"])
+        if dataset.prepared_with(max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"]):
             check_budget(dataset.rows, limits, desc)  # the rows are within these limits already: nothing to cut
-            _log_truncation(desc, 0, len(dataset.rows), max_length, max_prompt_length)
+            _log_truncation(desc, 0, len(dataset.rows), limits)
             return dataset.rows
         dataset = dataset.rows
-    tokenized = is_tokenized(dataset)
-    if tokenized and not is_arrow_dataset(dataset):
+    if is_tokenized(dataset) and not is_arrow_dataset(dataset):
         result = truncate_dataset(dataset, **limits, strict=True, desc=desc)
-        _log_truncation(desc, result.num_truncated, result.num_accepted, max_length, max_prompt_length)
+        _log_truncation(desc, result.num_truncated, result.num_accepted, limits)
         return dataset if result.num_truncated == 0 else result.features
     built = build_pairs(
         dataset,
         tokenizer,
         limits,
-        tokenized=tokenized,
+        tokenized=is_tokenized(dataset),
         desc=desc,
         num_proc=num_proc,
         cache=PairCache(cache_dir),
         node=node or Node(),
         progress=progress,
     )
-    _log_truncation(desc, built.num_truncated, built.num_rows, max_length, max_prompt_length)
+    _log_truncation(desc, built.num_truncated, built.num_rows, limits)
     return built.dataset
 
 
@@ -147,7 +163,7 @@ def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
     raise AssertionError(f"{desc} row {index} costs more than {budget} tokens but truncate_pair accepted it")
 
 
-def _log_truncation(desc: str, num_truncated: int, num_pairs: int, max_length: int, max_prompt_length: int) -> None:
+def _log_truncation(desc: str, num_truncated: int, num_pairs: int, limits: Mapping[str, Any]) -> None:
     if num_truncated:
         logger.warning(
             "%s: truncated %d of %d pairs to max_length=%d / max_prompt_length=%d (prompts keep their end, "
@@ -155,8 +171,8 @@ def _log_truncation(desc: str, num_truncated: int, num_pairs: int, max_length: i
             desc,
             num_truncated,
             num_pairs,
-            max_length,
-            max_prompt_length,
+            limits["max_length"],
+            limits["max_prompt_length"],
         )
     else:
         logger.info("%s: %d pairs, none truncated.", desc, num_pairs)
