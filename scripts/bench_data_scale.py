@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -134,7 +135,8 @@ def prepare(args: argparse.Namespace) -> None:
 
     def call(source: str, out: Path, workers: int, train: int, eval_: int) -> None:
         argv = ["prepare-data", source, "--output", str(out), "--tokenizer", tokenizer, "--train-size", str(train)]
-        argv += ["--eval-size", str(eval_), "--seed", "0", "--num-proc", str(workers), "--disable-tqdm", *args.extra]
+        argv += ["--eval-size", str(eval_), "--seed", "0", "--num-proc", str(workers), "--disable-tqdm"]
+        argv += shlex.split(args.extra)
         with contextlib.redirect_stdout(io.StringIO()):
             if cli_main(argv) != 0:
                 raise SystemExit(f"prepare-data failed: {argv}")
@@ -306,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     prep.add_argument("--num-proc", type=int, nargs="+", default=[1, 2])
     prep.add_argument("--repeats", type=int, default=3)
     prep.add_argument("--tmp", default=None, help="Where the outputs are written (and removed).")
-    prep.add_argument("--extra", nargs="*", default=[], help="More prepare-data arguments.")
+    prep.add_argument("--extra", default="", help='More prepare-data arguments, one string: "--max-length 512".')
     train = sub.add_parser("trainer")
     train.add_argument("--pairs", type=int, nargs="+", default=[1000, 1_000_000])
     train.add_argument("--tokens", type=int, default=800)

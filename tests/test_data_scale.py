@@ -410,3 +410,19 @@ def test_the_pairs_are_int32_arrow_columns_read_row_by_row(tmp_path, tok):
         built.dataset[index]["prompt_input_ids"]
         == tokenize_dataset([_rows(30)[index]], tok, **LIMITS, strict=True).features[0]["prompt_input_ids"]
     )
+
+
+def test_the_benchmark_rows_have_the_asked_number_of_tokens(tmp_path, tok):
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import bench_data_scale
+
+    out = tmp_path / "rows.jsonl"
+    argv = ["--results", str(tmp_path / "r.jsonl"), "make-input", "--rows", "20", "--tokens", "300", "--out", str(out)]
+    bench_data_scale.main(argv)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 20 and len({r["prompt"] for r in rows}) == 20
+    features = tokenize_dataset(rows, tok, max_length=1024, max_prompt_length=512, strict=True).features
+    tokens = [sum(len(f[c]) for c in FEATURE_COLUMNS) for f in features]
+    assert all(300 <= n <= 320 for n in tokens), tokens  # + the template's few tokens and the row number
