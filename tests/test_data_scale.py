@@ -6,11 +6,15 @@ tests/test_data_scale_dist.py)."""
 from __future__ import annotations
 
 import copy
+import datetime
 import hashlib
 import json
 import os
+import pickle
 import random
 import shutil
+import threading
+import time
 import tracemalloc
 from pathlib import Path
 
@@ -19,6 +23,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
@@ -36,6 +41,7 @@ from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
 from pair_dpo_trainer.node import Node
 from pair_dpo_trainer.reference.precompute import dataset_fingerprint
 from tests.dpo_fixtures import cpu_config, tiny_llama
+from tests.ports import free_port
 
 LIMITS = {"max_length": 128, "max_prompt_length": 64, "max_tokens_per_microbatch": None}
 BAD_ROWS = {300: {"prompt": "x"}, 520: {"prompt": "x", "chosen": "1", "rejected": "1"}, 700: ["not", "a", "row"]}
@@ -426,3 +432,41 @@ def test_the_benchmark_rows_have_the_asked_number_of_tokens(tmp_path, tok):
     features = tokenize_dataset(rows, tok, max_length=1024, max_prompt_length=512, strict=True).features
     tokens = [sum(len(f[c]) for c in FEATURE_COLUMNS) for f in features]
     assert all(300 <= n <= 320 for n in tokens), tokens  # + the template's few tokens and the row number
+
+
+# ------------------------------------------------------------------------------------------------ once per node
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
+
+
+def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch):
+    from pair_dpo_trainer import node
+
+    monkeypatch.setattr(node, "HEARTBEAT_SECONDS", 0.1)
+
+    def slow_work():
+        time.sleep(1.5)  # three times the stall timeout below
+        return "tokenised"
+
+    def local_main():
+        outcome, _ = node._run_with_heartbeat(slow_work, store, "once/0/beat")
+        store.set("once/0/done", pickle.dumps(outcome))
+
+    thread = threading.Thread(target=local_main)
+    thread.start()
+    node._wait_for(store, "once/0", 0, stall_timeout=0.5)  # returns: the heartbeat kept coming
+    thread.join()
+    assert pickle.loads(store.get("once/0/done")) == (True, "tokenised")
+
+
+def test_a_local_main_without_heartbeat_is_a_stall(store, monkeypatch):
+    from pair_dpo_trainer import node
+
+    monkeypatch.setattr(node, "HEARTBEAT_SECONDS", 0.1)
+    store.set("once/1/beat", "0")  # it started, then nothing more
+    with pytest.raises(node.ScheduleError) as info:
+        node._wait_for(store, "once/1", 3, stall_timeout=0.5)
+    assert info.value.reason_code == "local_main_stalled" and "ddp_timeout" in info.value.message
