@@ -6,7 +6,8 @@ appended, in input order, to one Arrow stream file of candidates on disk: its JS
 Arrow columns of :data:`~pair_dpo_trainer.data.prepared.PREPARED_SCHEMA`, and its prompt hash. The process keeps only
 the chunks in flight and the prompt hash of each accepted row (the split needs every row's prompt group).
 
-Writing (:func:`write_splits`): one sequential pass over the candidates writes each split's rows, in input order, to
+Writing (:func:`write_splits`): one sequential pass over the candidates (read a batch at a time, not memory-mapped, so
+the process holds one batch) writes each split's rows, in input order, to
 ``<split>.jsonl`` and ``<split>.arrow`` (hashing both as they are written). Everything written depends only on the
 inputs and the arguments, never on the number of workers: byte-identical outputs for any ``--num-proc``.
 """
@@ -157,7 +158,7 @@ def read_inputs(
 def write_splits(directory: Path, read: ReadResult, assignment: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
     """Writes ``<split>.jsonl`` and ``<split>.arrow`` for each split of ``assignment`` (candidate indices).
 
-    Rows are written in input order, batch by batch from the memory-mapped candidates file.
+    Rows are written in input order, one batch of the candidates file at a time.
 
     Returns:
         ``{file name: {"rows": n, "sha256": hex}}`` for the manifest's ``outputs``.
@@ -169,7 +170,7 @@ def write_splits(directory: Path, read: ReadResult, assignment: dict[str, list[i
     writers = {name: _SplitWriter(directory, name) for name in names}
     try:
         start = 0
-        with pa.memory_map(str(read.candidates)) as source:
+        with pa.OSFile(str(read.candidates)) as source:  # read batch by batch: no page of it stays in this process
             for batch in pa.ipc.open_stream(source):
                 mine = split_of[start : start + batch.num_rows]
                 start += batch.num_rows
