@@ -1,25 +1,34 @@
 """Train pair DPO: ``accelerate launch train.py [flags | config.yaml | config.json]``.
 
-With no arguments it trains the bundled tiny Llama on the bundled demo preference pairs (no downloads) and writes
-checkpoints, ``trainer_state.json`` and ``training_curves.png`` into ``outputs/pair-dpo-demo``.
+A real run names both ``--model_name_or_path`` and ``--dataset``; every other option keeps ``PairDPOConfig``'s
+default unless given. With neither, it trains the bundled tiny Llama on the bundled demo preference pairs (no
+downloads) with the demo settings (``DEMO_DEFAULTS``) and writes checkpoints, ``trainer_state.json`` and
+``training_curves.png`` into ``outputs/pair-dpo-demo``. A YAML/JSON file and the same flags give the same arguments.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import yaml
 from transformers import AutoTokenizer, HfArgumentParser
 
-from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
+from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.allocator import default_cuda_allocator
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.modeling.paths import require_model_directory
+from pair_dpo_trainer.options import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.plotting import CURVES_FILENAME, plot_training_curves
+from pair_dpo_trainer.runtime.collectives import end_process_group
 
-# Defaults of the bundled demo run (any flag overrides them).
+# The bundled demo run: these apply only when neither --model_name_or_path nor --dataset is given (any option given
+# overrides them). A real run gets PairDPOConfig's own defaults (docs/guide.md, "Defaults that differ from
+# TrainingArguments").
 DEMO_DEFAULTS = {
     "output_dir": "outputs/pair-dpo-demo",
     "learning_rate": 1e-3,
@@ -45,32 +54,96 @@ DEMO_DEFAULTS = {
 
 @dataclass
 class ModelArguments:
-    model_name_or_path: str = field(
-        default=str(bundled_model_dir()),
-        metadata={"help": "Local directory of the policy (and, by default, of the reference)."},
+    model_name_or_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "Local directory of the policy (and, by default, of the reference). Leave it and --dataset unset "
+            "for the bundled demo run (bundled tiny Llama and pairs, demo settings)."
+        },
     )
 
 
 @dataclass
 class DataArguments:
-    dataset: str = field(
-        default=str(bundled_pairs_path()),
-        metadata={"help": "A jsonl/json/parquet file of preference rows, or a `pair-dpo prepare-data` output dir."},
+    dataset: str | None = field(
+        default=None,
+        metadata={
+            "help": "A jsonl/json/parquet file of preference rows, or a `pair-dpo prepare-data` output dir. Leave it "
+            "and --model_name_or_path unset for the bundled demo run."
+        },
     )
     eval_size: int = field(
         default=200, metadata={"help": "Pairs held out for evaluation when `dataset` is a single file (0: none)."}
     )
 
 
+ARGUMENT_CLASSES = (ModelArguments, DataArguments, PairDPOConfig)
+
+
 def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, PairDPOConfig]:
-    """Flags, or a single YAML/JSON file of the same names."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, PairDPOConfig))
-    parser.set_defaults(**DEMO_DEFAULTS)
-    if len(argv) == 1 and argv[0].endswith((".yaml", ".yml")):
-        return parser.parse_yaml_file(argv[0])
-    if len(argv) == 1 and argv[0].endswith(".json"):
-        return parser.parse_json_file(argv[0])
-    return parser.parse_args_into_dataclasses(argv)
+    """Flags, or a single YAML/JSON file of the same names; the same values give the same arguments either way.
+
+    With neither a model nor a dataset this is the bundled demo: ``DEMO_DEFAULTS`` under the options given, the
+    bundled model and pairs. Otherwise both are required and only the given options change ``PairDPOConfig``'s
+    defaults. TRL option names (and our old ones) raise ``unsupported_option`` naming the equivalent.
+    """
+    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    file_values = _config_file_values(argv)
+    given = _flag_names(argv) if file_values is None else list(file_values)
+    known = set().union(*(config_field_names(cls) for cls in ARGUMENT_CLASSES))
+    reject_unsupported_options(given, where="train.py", known=known)
+    if file_values is not None:
+        demo = _is_demo(file_values.get("model_name_or_path"), file_values.get("dataset"))
+        values = {**DEMO_DEFAULTS, **file_values} if demo else file_values
+        return _with_demo_paths(parser.parse_dict(_as_flag_types(parser, values)), demo)
+    namespace, _ = parser.parse_known_args(argv)
+    demo = _is_demo(namespace.model_name_or_path, namespace.dataset)
+    if demo:
+        parser.set_defaults(**DEMO_DEFAULTS)
+    return _with_demo_paths(parser.parse_args_into_dataclasses(argv), demo)
+
+
+def _config_file_values(argv: list[str]) -> dict[str, Any] | None:
+    """The mapping of a lone ``.yaml`` / ``.yml`` / ``.json`` argument, else None."""
+    if len(argv) != 1 or not argv[0].endswith((".yaml", ".yml", ".json")):
+        return None
+    text = Path(argv[0]).read_text(encoding="utf-8")
+    values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ConfigError("bad_args", f"{argv[0]}: expected a mapping of option names to values.")
+    return values
+
+
+def _flag_names(argv: list[str]) -> list[str]:
+    return [token[2:].split("=", 1)[0] for token in argv if token.startswith("--")]
+
+
+def _as_flag_types(parser: HfArgumentParser, values: dict[str, Any]) -> dict[str, Any]:
+    """Converts string values of a file as the same flag would be (YAML reads ``1e-6`` as a string, for one)."""
+    types = {action.dest: action.type for action in parser._actions if callable(action.type)}
+    return {
+        key: types[key](value) if isinstance(value, str) and types.get(key) not in (None, str) else value
+        for key, value in values.items()
+    }
+
+
+def _is_demo(model_name_or_path: str | None, dataset: str | None) -> bool:
+    if (model_name_or_path is None) != (dataset is None):
+        missing = "--dataset" if dataset is None else "--model_name_or_path"
+        raise ConfigError(
+            "incomplete_arguments",
+            f"train.py: {missing} is not set. Give both --model_name_or_path and --dataset for a real run, or "
+            "neither for the bundled demo.",
+        )
+    return model_name_or_path is None
+
+
+def _with_demo_paths(parsed: tuple, demo: bool) -> tuple[ModelArguments, DataArguments, PairDPOConfig]:
+    model_args, data_args, config = parsed
+    if demo:
+        model_args.model_name_or_path = str(bundled_model_dir())
+        data_args.dataset = str(bundled_pairs_path())
+    return model_args, data_args, config
 
 
 def _is_bundled(path: str) -> bool:
@@ -106,3 +179,4 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 if __name__ == "__main__":
     main()
+    end_process_group()  # every rank together; a gloo group alive at interpreter exit can abort the process

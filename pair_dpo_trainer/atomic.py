@@ -1,11 +1,14 @@
 """Atomic file writes: a temporary file in the target's directory, fsync, then ``os.replace``.
 
 A reader sees the old file or the complete new one, never a partial write, and a crash leaves no half-written target.
+``fsync_dir`` / ``fsync_tree`` make renames and whole directory trees durable (atomic checkpoints,
+``runtime/checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import tempfile
 from collections.abc import Iterator
@@ -43,3 +46,41 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs: Any) ->
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flushes a directory's entries (a rename or a new file in it) to stable storage.
+
+    Filesystems that cannot open or fsync a directory (some network filesystems) are skipped silently: their rename
+    is as durable as the server makes it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """Flushes every regular file and directory under ``root`` (``root`` included) to stable storage.
+
+    Raises:
+        OSError: from ``fsync`` (``ENOSPC`` / ``EIO`` for data that could not be written back).
+    """
+    for directory, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(directory, name)
+            if os.path.islink(path):
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(directory)

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("pair_dpo_trainer.data.prepare", "Normalise, tokenise and split preference data."),
     "verify-snapshot": ("pair_dpo_trainer.integrity.cli", "Verify a snapshot against its pinned commit."),
+    "pin": ("pair_dpo_trainer.integrity.pin", "Pin a local model directory (e.g. after SFT) so it can be verified."),
     "plot": ("pair_dpo_trainer.plotting", "Draw training_curves.png from a run's trainer_state.json."),
 }
 

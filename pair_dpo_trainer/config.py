@@ -20,13 +20,22 @@ from transformers import TrainingArguments
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity.layout import is_pinned_revision
+from pair_dpo_trainer.launch import launch_problem, resolve_bf16, resolve_use_cpu
 from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
 from pair_dpo_trainer.modeling.attention import BACKENDS
 from pair_dpo_trainer.modeling.compile import compile_mode_problem
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_modules_problem
+from pair_dpo_trainer.options import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.reference.engine import ref_zero_stage_problem
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
+DEFAULT_MAX_PROMPT_LENGTH = 512
+
+
+def default_max_prompt_length(max_length: int) -> int:
+    """``max_prompt_length`` when unset: 512 (prepare-data's default) if that leaves room for a completion, else half
+    of ``max_length`` (a TRL user sets only ``max_length``, e.g. 128)."""
+    return DEFAULT_MAX_PROMPT_LENGTH if max_length > DEFAULT_MAX_PROMPT_LENGTH else max_length // 2
 
 
 @dataclass
@@ -79,8 +88,13 @@ class PairDPOConfig(TrainingArguments):
     max_length: int = field(
         default=1024, metadata={"help": "Maximum tokens of one sequence (prompt + one completion)."}
     )
-    max_prompt_length: int = field(
-        default=512, metadata={"help": "Maximum prompt tokens; longer prompts keep their end (left truncation)."}
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum prompt tokens; longer prompts keep their end (left truncation). None: 512 (prepare-data's "
+            "default), or max_length // 2 when max_length <= 512, so setting only max_length (TRL has no prompt "
+            "limit) stays valid."
+        },
     )
     # Token-budget micro-batches (issue 15): the step's pairs packed by tokens instead of split into a fixed count.
     max_tokens_per_microbatch: int | None = field(
@@ -112,7 +126,7 @@ class PairDPOConfig(TrainingArguments):
     logps_chunk_size: int = field(
         default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
     )
-    precompute_ref_logps: bool = field(
+    precompute_ref_log_probs: bool = field(
         default=False,
         metadata={
             "help": "Compute the reference log-probs of every train/eval pair in one pass before training, cache them "
@@ -178,6 +192,15 @@ class PairDPOConfig(TrainingArguments):
             "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
         },
     )
+    # Fault tolerance (issue 14: runtime/resume.py):
+    allow_resume_data_mismatch: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even when the checkpoint was trained on another schedule (dataset pair lengths, seed, "
+            "batch layout): the resumed step then indexes this run's schedule (logged). Default: refuse with "
+            "'resume_data_mismatch'."
+        },
+    )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):
     remove_unused_columns: bool = field(
         default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
@@ -192,8 +215,35 @@ class PairDPOConfig(TrainingArguments):
     ddp_find_unused_parameters: bool | None = field(
         default=False, metadata={"help": "Every parameter gets a gradient in DPO; searching for unused ones is waste."}
     )
+    # Issue 13: DPO defaults as TRL's DPOConfig sets them (table: docs/guide.md, "Defaults that differ from
+    # TrainingArguments").
+    learning_rate: float = field(
+        default=1e-6,
+        metadata={
+            "help": "Initial AdamW learning rate (1e-6; TrainingArguments' 5e-5 wrecks a pretrained model in DPO)."
+        },
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every N optimizer steps (or a ratio of the total steps if < 1); default 10."},
+    )
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Unset: on when an accelerator with bf16 support is used and neither fp16, "
+            "use_cpu nor an accelerate config's fp16/fp8 mixed precision is set; off on CPU."
+        },
+    )
+
+    def __new__(cls, *args, **kwargs):
+        """Rejects TRL's (and our old) option names with their equivalents before the dataclass ``__init__`` would
+        raise ``TypeError: unexpected keyword argument`` (see :mod:`pair_dpo_trainer.options`)."""
+        reject_unsupported_options(kwargs, where=cls.__name__, known=config_field_names(cls))
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        if self.max_prompt_length is None and isinstance(self.max_length, int):
+            self.max_prompt_length = default_max_prompt_length(self.max_length)
         problems = self._pair_dpo_problems()
         if problems:
             code = problems[0][0] if len(problems) == 1 else "invalid_config"
@@ -201,7 +251,12 @@ class PairDPOConfig(TrainingArguments):
             error = ConfigError(code, f"PairDPOConfig has {len(problems)} invalid option(s):\n{lines}")
             error.problems = problems
             raise error
+        self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
+        self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
         super().__post_init__()
+        launch = launch_problem(self.world_size, os.environ)
+        if launch is not None:
+            raise ConfigError("launch_not_one_job", launch)
 
     def _pair_dpo_problems(self) -> list[tuple[str, str]]:
         """Returns ``(reason_code, message)`` for every invalid pair-DPO option."""
@@ -234,11 +289,11 @@ class PairDPOConfig(TrainingArguments):
                     "ref_model_revision, or set reference_free=False.",
                 )
             )
-        if self.reference_free and self.precompute_ref_logps:
+        if self.reference_free and self.precompute_ref_log_probs:
             problems.append(
                 (
                     "unsupported_combination",
-                    "precompute_ref_logps=True has nothing to precompute with reference_free=True (the reference "
+                    "precompute_ref_log_probs=True has nothing to precompute with reference_free=True (the reference "
                     "log-probs are 0): set one of them to False.",
                 )
             )

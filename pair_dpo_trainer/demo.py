@@ -39,6 +39,8 @@ import torch
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from pair_dpo_trainer.integrity.layout import CACHEDIR_TAG_TEXT, GITIGNORE_TEXT, metadata_rel, metadata_text
+
 # sha1(b"pair_dpo_trainer demo snapshot: tiny-llama v1"): the "commit" the bundled snapshot is pinned at.
 DEMO_REVISION = "fc705248af39183558528d201ff358185a6d4db6"
 DEMO_SEED = 0
@@ -74,14 +76,6 @@ _MIN_ITEMS, _MAX_ITEMS = 3, 12
 _SORT_VALUES = 20  # sort tasks draw integers in [0, 20)
 _COUNT_VALUES = 100  # count tasks run inside [0, 100)
 _BASE_WORDS = tuple(str(i) for i in range(_COUNT_VALUES)) + tuple(string.ascii_lowercase)
-
-# Written by huggingface_hub next to the download metadata (Cache Directory Tagging Standard).
-_CACHEDIR_TAG = (
-    "Signature: 8a477f597d28d172789f06886806bc55\n"
-    "# This file is a cache directory tag created by huggingface_hub.\n"
-    "# For information about cache directory tags, see:\n"
-    "#\thttps://bford.info/cachedir/\n"
-)
 
 
 def bundled_assets_dir() -> Path:
@@ -534,12 +528,11 @@ def download_metadata_files(files: Mapping[str, bytes], revision: str = DEMO_REV
         dict[str, bytes]: Path relative to the snapshot directory -> content.
     """
     out = {
-        ".cache/huggingface/.gitignore": b"*",
-        ".cache/huggingface/CACHEDIR.TAG": _CACHEDIR_TAG.encode("ascii"),
+        ".cache/huggingface/.gitignore": GITIGNORE_TEXT.encode("ascii"),
+        ".cache/huggingface/CACHEDIR.TAG": CACHEDIR_TAG_TEXT.encode("ascii"),
     }
     for name in sorted(files):
-        text = f"{revision}\n{hub_etag(name, files[name])}\n{METADATA_TIMESTAMP!r}\n"
-        out[f".cache/huggingface/download/{name}.metadata"] = text.encode("ascii")
+        out[metadata_rel(name)] = metadata_text(revision, hub_etag(name, files[name]), METADATA_TIMESTAMP).encode()
     return out
 
 

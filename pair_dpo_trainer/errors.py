@@ -34,7 +34,16 @@ class ScheduleError(PairDPOError):
     """The pair schedule cannot be planned, or ranks disagree about it."""
 
 
+class RunError(PairDPOError):
+    """The run cannot go on safely: its output directory is in use, or a collective timed out or lost a peer."""
+
+
+class CheckpointError(PairDPOError):
+    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data)."""
+
+
 _REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"
+_PIN = "`pair-dpo pin DIR` (a directory you saved yourself, e.g. after SFT)"
 
 # How to fix each snapshot / identity failure; appended to the message so every raise site names the fix.
 SNAPSHOT_FIXES: dict[str, str] = {
@@ -43,7 +52,8 @@ SNAPSHOT_FIXES: dict[str, str] = {
     "unsafe_path": "re-download into a fresh directory and copy files in instead of linking them",
     "metadata_malformed": f"re-download the file ({_REDOWNLOAD} PATH)",
     "revision_mismatch": "re-download the whole snapshot at the pinned revision into a fresh directory",
-    "metadata_missing": f"remove the file, or download it from the pinned commit ({_REDOWNLOAD} PATH)",
+    "metadata_missing": f"remove the file, or download it from the pinned commit ({_REDOWNLOAD} PATH); for a "
+    f"directory without download metadata run {_PIN} and pass the revision it prints",
     "file_missing": "re-download the file, or remove its stale .metadata if the file is not part of the commit",
     "missing_config": f"download the complete snapshot ({_REDOWNLOAD})",
     "no_weights": f"download the complete snapshot ({_REDOWNLOAD})",
@@ -57,6 +67,8 @@ SNAPSHOT_FIXES: dict[str, str] = {
     "unreadable_file": "fix the file's permissions or the storage and retry",
     "reference_changed": "resume with the same reference snapshot and revision as the original run",
     "identity_malformed": "restore pair_dpo_reference.json from the original checkpoint",
+    "already_pinned": "verify it at its recorded commit (pair-dpo verify-snapshot DIR --revision <commit>), or "
+    "re-pin the directory's current bytes with `pair-dpo pin DIR --force`",
 }
 
 

@@ -10,7 +10,7 @@ def reference_mode(args: Any, source: Any) -> str:
     ``replicated (ref_zero_stage=0)`` when asked for."""
     if args.reference_free:
         return "reference-free"
-    mode = "precomputed" if args.precompute_ref_logps else "online"
+    mode = "precomputed" if args.precompute_ref_log_probs else "online"
     revision = getattr(source, "revision", None)
     replicated = ", replicated (ref_zero_stage=0)" if getattr(args, "ref_zero_stage", None) == 0 else ""
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
@@ -39,7 +39,7 @@ def run_summary(
     leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
     if fsdp2:
         layout = "replicated (ref_fsdp_shard=False)" if getattr(args, "ref_fsdp_shard", None) is False else "sharded"
-        leaves += " | FSDP2" + ("" if args.reference_free or args.precompute_ref_logps else f", reference {layout}")
+        leaves += " | FSDP2" + ("" if args.reference_free or args.precompute_ref_log_probs else f", reference {layout}")
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
         f"{_microbatches(args)}) | attention {attn_backend} | "

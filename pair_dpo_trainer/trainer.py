@@ -9,13 +9,14 @@ gradients over the ``W`` ranks, so each micro-batch returns ``W * sum(losses) / 
 gradient of the mean loss over the step's ``N`` pairs, whatever the (DP, GA) layout. ``N`` comes from the
 deterministic schedule on the host: no collective, no GPU sync.
 
-The reference (built at once, or lazily under DeepSpeed / ``precompute_ref_logps``; identified; checked on resume
+The reference (built at once, or lazily under DeepSpeed / ``precompute_ref_log_probs``; identified; checked on resume
 before any checkpoint state is restored; precomputed and freed) is owned by
 :class:`~pair_dpo_trainer.reference.manager.ReferenceManager`; the trainer only calls it.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput, get_last_checkpoint
+from transformers.trainer_utils import EvalLoopOutput
 
 from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
@@ -33,7 +34,6 @@ from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
 from pair_dpo_trainer.distributed import assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.integrity import write_identity
 from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
 from pair_dpo_trainer.metrics import PairMetrics
@@ -42,9 +42,12 @@ from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
+from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
+from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import resolve_reference_source
+from pair_dpo_trainer.runtime import RunGuard
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.summary import run_summary
@@ -86,8 +89,13 @@ class PairDPOTrainer(Trainer):
         ref_model: PreTrainedModel | None = None,
         **kwargs: Any,
     ) -> None:
+        reject_unsupported_options(kwargs, where="PairDPOTrainer", table=TRAINER_KWARG_EQUIVALENTS)
         if not isinstance(args, PairDPOConfig):
-            raise ConfigError("bad_args", "PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass)")
+            raise ConfigError(
+                "bad_args",
+                f"PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass), got "
+                f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
+            )
         model, policy_source, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
@@ -118,6 +126,7 @@ class PairDPOTrainer(Trainer):
             mixed_precision=str(self.accelerator.mixed_precision),
             fsdp_plugin=self.fsdp_plugin,
         )
+        self.run_guard = RunGuard(args)  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
         self._loss_params = args.loss_params()
         self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
@@ -162,23 +171,26 @@ class PairDPOTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
         """``Trainer.train``, after the reference is ready: built (DeepSpeed: its own engine) or precomputed, and on
-        resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored."""
-        if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ValueError(f"No valid checkpoint found in output directory ({self.args.output_dir})")
-        self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint or None)
-        self._compile_layers()
-        if self.is_world_process_zero():
-            summary = run_summary(
-                self.args,
-                attn_backend=self.attn_backend,
-                source=self.reference_source,
-                zero3_leaf_classes=self.zero3_leaf_classes,
-                fsdp2=self.fsdp_plugin is not None,
-            )
-            print(summary, flush=True)
-        return super().train(resume_from_checkpoint=resume_from_checkpoint or None, **kwargs)
+        resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored.
+
+        ``resume_from_checkpoint``: a checkpoint directory, or ``True`` / ``"latest"`` (the newest complete checkpoint
+        of ``output_dir``) or ``"auto"`` (the same, or a fresh start when there is none). The run holds the lock of
+        ``output_dir``, and a SIGTERM saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
+        :mod:`pair_dpo_trainer.runtime`.
+        """
+        with self.run_guard.session(self, resume_from_checkpoint) as resume_from_checkpoint:
+            self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
+            self._compile_layers()
+            if self.is_world_process_zero():
+                summary = run_summary(
+                    self.args,
+                    attn_backend=self.attn_backend,
+                    source=self.reference_source,
+                    zero3_leaf_classes=self.zero3_leaf_classes,
+                    fsdp2=self.fsdp_plugin is not None,
+                )
+                print(summary, flush=True)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
         """``Trainer.evaluate`` after the reference is ready (a lazy or precomputed reference is prepared first)."""
@@ -239,11 +251,9 @@ class PairDPOTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """Saves the checkpoint, then writes the reference identity beside it (atomically)."""
-        super()._save_checkpoint(model, trial)
-        if self.reference_identity is not None and self.args.should_save:
-            folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            write_identity(folder, self.reference_identity)
+        """The Trainer's save, made atomic with the reference identity inside (``runtime/checkpoint.py``)."""
+        write = functools.partial(super()._save_checkpoint, model, trial)
+        self.run_guard.save_checkpoint(self, trial, write, identity=self.reference_identity)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -252,7 +262,9 @@ class PairDPOTrainer(Trainer):
         With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
         step, see ``accumulation``)."""
         sampler = train_sampler(self._costs(self.train_dataset), self.args)
-        assert_ranks_agree("train schedule", sampler.schedule_fingerprint(0))
+        fingerprint = sampler.schedule_fingerprint(0)
+        assert_ranks_agree("train schedule", fingerprint)
+        self.run_guard.check_schedule(fingerprint)  # resume_data_mismatch; recorded in every checkpoint
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
         if isinstance(sampler, PairStepSampler):
@@ -325,7 +337,7 @@ class PairDPOTrainer(Trainer):
         """
         if self._flop_params is None:
             self._flop_params = non_embedding_parameters(self.model)
-        ref_flops = 0 if self.args.reference_free or self.args.precompute_ref_logps else 2
+        ref_flops = 0 if self.args.reference_free or self.args.precompute_ref_log_probs else 2
         return (6 + ref_flops) * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
@@ -400,6 +412,7 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
         ref_model_given=ref_model_given,
     )
     if policy_source is not None:
+        ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
         model = AutoModelForCausalLM.from_pretrained(policy_source)
     return model, policy_source, reference_source
 

@@ -156,7 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("online", "free", "precomputed"),
         default="online",
         help="online: frozen reference forward per micro-batch; free: reference_free=True; precomputed: "
-        "precompute_ref_logps=True (reference pass before the first step, not timed)",
+        "precompute_ref_log_probs=True (reference pass before the first step, not timed)",
     )
     p.add_argument(
         "--ref-source",
@@ -376,9 +376,11 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
             raise SystemExit("--ref-fsdp-shard needs PairDPOConfig.ref_fsdp_shard (not in this version)")
         kwargs["ref_fsdp_shard"] = args.ref_fsdp_shard == "true"
     if args.reference == "precomputed":
-        if "precompute_ref_logps" not in fields:
-            raise SystemExit("--reference precomputed needs PairDPOConfig.precompute_ref_logps (not in this version)")
-        kwargs["precompute_ref_logps"] = True
+        if "precompute_ref_log_probs" not in fields:
+            raise SystemExit(
+                "--reference precomputed needs PairDPOConfig.precompute_ref_log_probs (not in this version)"
+            )
+        kwargs["precompute_ref_log_probs"] = True
     return PairDPOConfig(**kwargs)
 
 

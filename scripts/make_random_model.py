@@ -8,15 +8,15 @@ Usage::
 
 The directory holds ``config.json``, ``model.safetensors``, the bundled word-level tokenizer and chat template, and
 the ``.cache/huggingface/download/*.metadata`` records that ``hf download --local-dir`` writes, all naming one
-synthetic 40-hex revision derived from the file digests. The last line printed is that revision: pass it as
-``--ref_model_revision`` and the reference is verified like a real pinned download (or pass
-``--allow_unpinned_reference true`` instead). The same arguments give byte-identical files.
+40-hex revision derived from the file contents (written by ``pair-dpo pin``'s ``pin_snapshot``). The last line printed
+is that revision: pass it as ``--ref_model_revision`` and the reference is verified like a real pinned download (or
+pass ``--allow_unpinned_reference true`` instead). The same arguments give byte-identical model files and the same
+revision.
 """
 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 import sys
 from collections.abc import Sequence
@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pair_dpo_trainer.demo import bundled_model_dir, download_metadata_files, hub_etag
+from pair_dpo_trainer.demo import bundled_model_dir
+from pair_dpo_trainer.integrity import pin_snapshot
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
@@ -64,18 +65,6 @@ def build_model(args: argparse.Namespace) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).to(getattr(torch, args.dtype))
 
 
-def write_pinned_metadata(out: Path) -> str:
-    """Writes ``hf download --local-dir`` metadata for every file under ``out``; returns the synthetic revision."""
-    files = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
-    listing = "".join(f"{name} {hub_etag(name, data)}\n" for name, data in sorted(files.items()))
-    revision = hashlib.sha1(listing.encode("utf-8")).hexdigest()
-    for rel, content in download_metadata_files(files, revision).items():
-        target = out / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(content)
-    return revision
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Writes the snapshot and prints its parameter count and revision (last line)."""
     args = parse_args(argv)
@@ -86,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.save_pretrained(args.out)
     for name in TOKENIZER_FILES:
         shutil.copyfile(bundled_model_dir() / name, args.out / name)
-    revision = write_pinned_metadata(args.out)
+    revision = pin_snapshot(args.out).revision  # what `pair-dpo pin DIR` does
     print(f"parameters: {model.num_parameters():,} ({args.dtype}) in {args.out}")
     print(revision)
     return 0

@@ -3,7 +3,7 @@
 Phases (each writes its result under OUT_DIR for the test process to compare):
   dp2_ga1 / dp2_ga2: one 5-step training run each (same global batch of 8 pairs as the test's DP=1, GA=2 run);
       rank 0 saves the gradient of the first optimizer step and the loss curve.
-  dp2_ga2_pre: dp2_ga2 with ``precompute_ref_logps`` (each rank computes its share, gathered over gloo): the same
+  dp2_ga2_pre: dp2_ga2 with ``precompute_ref_log_probs`` (each rank computes its share, gathered over gloo): the same
       loss curve as dp2_ga2 with the online reference.
   dp2_budget: the same global batch with a token budget (4 pairs per rank per step packed into 2-4 micro-batches of
       <= BUDGET tokens, a varying count): gradients, losses and parameters as DP=1; DDP all-reduces once per step
@@ -130,7 +130,7 @@ def main() -> None:
     layouts = (
         ("dp2_ga1", 1, {}),
         ("dp2_ga2", 2, {}),
-        ("dp2_ga2_pre", 2, {"precompute_ref_logps": True}),
+        ("dp2_ga2_pre", 2, {"precompute_ref_log_probs": True}),
         ("dp2_budget", None, {}),
     )
     for name, ga, options in layouts:

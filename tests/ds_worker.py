@@ -9,9 +9,9 @@ runs without DeepSpeed):
   noleaf: ``std`` with ``zero3_leaf_modules="none"`` (DeepSpeed's per-submodule hooks, no leaf decoder layers).
   checkpointed: ``std`` with gradient checkpointing (each leaf decoder layer recomputed in backward).
   peft: a LoRA policy (reference = adapters disabled) with the default ``zero3_leaf_modules``: no leaves for PEFT.
-  pre: standard DPO with ``precompute_ref_logps`` (cache miss: one reference pass, then the reference is freed).
+  pre: standard DPO with ``precompute_ref_log_probs`` (cache miss: one reference pass, then the reference is freed).
   resume: ``std`` resumed from its checkpoint-3 (online reference).
-  pre_resume: the same resume with ``precompute_ref_logps`` and pre's cache: a hit, the reference is never built.
+  pre_resume: the same resume with ``precompute_ref_log_probs`` and pre's cache: a hit, the reference is never built.
   budget: ``std``'s global batch with a token budget (4 pairs per rank per step in 2-4 micro-batches of <= BUDGET
       tokens, a varying count): losses and parameters as DP=1 without DeepSpeed, the engine stepped once per optimizer
       step, then an eval by the same budget over EVAL_PAIRS pairs (weight-0 fillers on the short rank).
@@ -259,7 +259,7 @@ def main() -> None:
     cache = str(out_dir / "ref_logps_cache")
     timed("pre", lambda: _pre(out_dir, cache))
     timed("resume", run_resumed, out_dir, "resume")
-    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_log_probs=True, ref_logps_cache_dir=cache)
     timed("replicated", run_replicated, out_dir, results["std"])
     replicated_cache = str(out_dir / "cache_replicated")
     timed("pre_replicated", lambda: _pre(out_dir / "pre_replicated", replicated_cache, ref_zero_stage=0))
@@ -268,7 +268,7 @@ def main() -> None:
     timed("tamper", run_failing, out_dir, "tamper", resume=checkpoint, ref_model=tiny_llama(1))
     short = synthetic_pairs(NUM_PAIRS - rank)
     timed("disagree", run_failing, out_dir, "disagree", pairs=short)
-    timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_logps=True)
+    timed("disagree_pre", run_failing, out_dir, "disagree_pre", pairs=short, precompute_ref_log_probs=True)
     timed("pinned", run_pinned, out_dir, rank)
     timed("compile", run_compile_refused, out_dir)
     timed("peft", run_peft, out_dir)
@@ -345,7 +345,7 @@ def _trained(out_dir: Path, **kwargs: Any) -> PairDPOTrainer:
 
 
 def _pre(out_dir: Path, cache: str, **kwargs: Any) -> dict[str, Any]:
-    trainer = _trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache, **kwargs)
+    trainer = _trained(out_dir / "pre", precompute_ref_log_probs=True, ref_logps_cache_dir=cache, **kwargs)
     return {
         "losses": losses(trainer),
         "builds": trainer.reference_manager.builds,

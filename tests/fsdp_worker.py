@@ -190,7 +190,7 @@ def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
 
 
 def run_pre(out_dir: Path, cache: str) -> dict[str, Any]:
-    trainer, _ = trained(out_dir / "pre", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    trainer, _ = trained(out_dir / "pre", precompute_ref_log_probs=True, ref_logps_cache_dir=cache)
     return {
         "losses": losses(trainer),
         "builds": trainer.reference_manager.builds,
@@ -323,7 +323,7 @@ def main() -> None:
     timed("replicated", run_resumed, out_dir, "replicated", ref_fsdp_shard=False)
     cache = str(out_dir / "ref_logps_cache")
     timed("pre", run_pre, out_dir, cache)
-    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_logps=True, ref_logps_cache_dir=cache)
+    timed("pre_resume", run_resumed, out_dir, "pre_resume", precompute_ref_log_probs=True, ref_logps_cache_dir=cache)
     timed("full_state", run_full_state, out_dir)
     timed("compile", run_compile, out_dir)
     checkpoint = str(out_dir / "std" / "checkpoint-3")
@@ -331,7 +331,7 @@ def main() -> None:
     fsdp1 = {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 1}}
     timed("fsdp1", run_failing, out_dir, "fsdp1", **fsdp1)
     timed("eval_first", run_failing, out_dir, "eval_first", evaluate=synthetic_pairs(8, seed=1))
-    timed("peft_pre", run_failing, out_dir, "peft_pre", model=tiny_lora_llama(0), precompute_ref_logps=True)
+    timed("peft_pre", run_failing, out_dir, "peft_pre", model=tiny_lora_llama(0), precompute_ref_log_probs=True)
     timed("pinned", run_pinned, out_dir, rank)
     timed("bench", run_bench, out_dir)
     per_rank = {k: results[k] for k in ("tamper", "fsdp1", "eval_first", "peft_pre", "pinned")}

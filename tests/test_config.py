@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import math
+import re
+from pathlib import Path
 
 import pytest
+from transformers import TrainingArguments
 
+from pair_dpo_trainer import launch
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError
 
@@ -78,6 +84,84 @@ def test_ref_zero_stage_accepts_none_0_and_3(tmp_path, stage):
     assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=False).ref_offload_params is False
     if stage != 0:
         assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=True).ref_offload_params is True
+
+
+# ------------------------------------------------------------------ DPO defaults (issue 13 item 3)
+
+
+def _documented_defaults(doc: str) -> dict[str, tuple[object, object]]:
+    """The defaults table of docs/guide(.zh).md: field -> (TrainingArguments default, PairDPOConfig default)."""
+    text = (Path(__file__).resolve().parents[1] / doc).read_text(encoding="utf-8")
+    heading = (
+        "### Defaults that differ from `TrainingArguments`"
+        if doc.endswith("guide.md")
+        else "### 与 `TrainingArguments` 不同的默认值"
+    )
+    table = text.split(heading, 1)[1].split("\n\n")[2]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        values = [re.search(r"`([^`]*)`", cell) for cell in cells[1:3]]
+        parsed = tuple(ast.literal_eval(v.group(1)) if v else None for v in values)
+        rows[re.search(r"`([^`]*)`", cells[0]).group(1)] = parsed
+    return rows
+
+
+def _default(cls: type, name: str) -> object:
+    field_ = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return field_.default if field_.default is not dataclasses.MISSING else field_.default_factory()
+
+
+@pytest.mark.parametrize("doc", ["docs/guide.md", "docs/guide.zh.md"])
+def test_every_default_that_differs_from_training_arguments_is_in_the_one_table(doc):
+    differing = {
+        f.name
+        for f in dataclasses.fields(TrainingArguments)
+        if _default(PairDPOConfig, f.name) != _default(TrainingArguments, f.name)
+    }
+    assert {"learning_rate", "logging_steps", "bf16"} <= differing
+    table = _documented_defaults(doc)
+    assert differing <= set(table), differing - set(table)
+    for name, (theirs, ours) in table.items():
+        if name in differing:
+            assert (theirs, ours) == (_default(TrainingArguments, name), _default(PairDPOConfig, name)), name
+        else:  # a row that only documents a difference from TRL: not overridden here
+            assert name not in vars(PairDPOConfig).get("__annotations__", {}), name
+
+
+def test_dpo_defaults(tmp_path):
+    config = PairDPOConfig(output_dir=str(tmp_path))
+    assert config.learning_rate == 1e-6 and config.logging_steps == 10
+    assert config.max_prompt_length == 512  # as before, and prepare-data's default
+    assert PairDPOConfig(output_dir=str(tmp_path), max_length=4096).max_prompt_length == 512
+    assert PairDPOConfig(output_dir=str(tmp_path), max_length=128).max_prompt_length == 64  # TRL users set max_length
+
+
+@pytest.mark.parametrize(
+    "bf16,fp16,use_cpu,env,gpu_bf16,expected",
+    [
+        (None, False, False, {}, True, True),  # a bf16 GPU: on
+        (None, False, False, {}, False, False),  # CPU / no bf16 support: float32
+        (None, False, True, {}, True, False),  # use_cpu
+        (None, True, False, {}, True, False),  # fp16 asked for
+        (None, False, False, {"ACCELERATE_MIXED_PRECISION": "fp16"}, True, False),  # accelerate config says fp16
+        (None, False, False, {"ACCELERATE_MIXED_PRECISION": "bf16"}, True, True),
+        (None, False, False, {"ACCELERATE_MIXED_PRECISION": "no"}, True, True),  # accelerate's default, not a choice
+        (False, False, False, {}, True, False),  # explicit values win
+        (True, False, True, {}, False, True),
+    ],
+)
+def test_bf16_default_follows_the_hardware_and_never_overrides_a_choice(
+    monkeypatch, bf16, fp16, use_cpu, env, gpu_bf16, expected
+):
+    monkeypatch.setattr(launch, "is_torch_bf16_gpu_available", lambda: gpu_bf16)
+    assert launch.resolve_bf16(bf16, fp16=fp16, use_cpu=use_cpu, env=env) is expected
+
+
+def test_cpu_runs_stay_float32_by_default(tmp_path):
+    config = PairDPOConfig(output_dir=str(tmp_path))
+    assert config.bf16 is False and config.mixed_precision == "no"
+    assert PairDPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=True).mixed_precision == "bf16"
 
 
 def test_token_budget_needs_one_accumulation_step_and_names_the_pairs_per_step(tmp_path):

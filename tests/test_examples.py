@@ -13,6 +13,7 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SCRIPT = EXAMPLES / "existing_trainer_script.py"
+TRL_SCRIPT = EXAMPLES / "trl_dpo_script.py"
 
 
 def _offline_env(tmp_path: Path) -> dict[str, str]:
@@ -42,12 +43,45 @@ def test_existing_trainer_script_trains_a_few_steps(tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
-def test_existing_trainer_script_diff_is_small_and_true():
+def _run(script: Path, tmp_path: Path, *args: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "out"
+    command = [sys.executable, str(script), "--output_dir", str(out), "--disable_tqdm", "true", *args]
+    done = subprocess.run(
+        command, cwd=tmp_path, env=_offline_env(tmp_path), capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() or (out / "adapter_model.safetensors").is_file()
+    return json.loads((out / "trainer_state.json").read_text())
+
+
+@pytest.mark.slow
+def test_trl_dpo_script_trains_a_few_steps_full_and_lora(tmp_path):
+    """The converted TRL script on its offline defaults (a 160-pair slice of the demo data), then with --use_peft."""
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(
+        "".join(open(TRL_SCRIPT.parent.parent / "pair_dpo_trainer/assets/demo_pairs.jsonl").readlines()[:160])
+    )
+    for name, args, steps in (("full", (), 5), ("lora", ("--use_peft", "true"), 2)):
+        state = _run(TRL_SCRIPT, tmp_path / name, "--dataset_name", str(data), "--max_steps", str(steps), *args)
+        losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+        assert state["global_step"] == steps and len(losses) == steps, name
+        assert losses[0] == pytest.approx(0.6931, abs=1e-3), name  # policy == reference at step 0 (LoRA B = 0 too)
+
+
+@pytest.mark.parametrize("script", [SCRIPT, TRL_SCRIPT], ids=lambda p: p.name)
+def test_example_script_diff_is_small_and_true(script):
     """The diff in the docstring has < 20 changed lines, its '+' lines are in the code and its '-' lines are not."""
-    text = SCRIPT.read_text()
+    text = script.read_text()
     docstring, code = text.split('"""', 2)[1], text.split('"""', 2)[2]
     changed = re.findall(r"^    ([+-])(.*)$", docstring, flags=re.MULTILINE)
     assert 0 < len(changed) < 20
+    claimed = re.search(r"(\d+) changed lines \((\d+) removed, (\d+) added", docstring)
+    assert claimed and [int(n) for n in claimed.groups()] == [
+        len(changed),
+        sum(sign == "-" for sign, _ in changed),
+        sum(sign == "+" for sign, _ in changed),
+    ]
     code_lines = {line.strip() for line in code.splitlines()}
     for sign, line in changed:
         if sign == "+":

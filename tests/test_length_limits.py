@@ -232,6 +232,7 @@ def test_train_script_refuses_looser_limits_than_the_preparation(tmp_path, prepa
     import train  # the repository's train.py
 
     argv = ["--dataset", str(prepared), "--output_dir", str(tmp_path / "run"), "--use_cpu", "true"]
+    argv += ["--model_name_or_path", str(bundled_model_dir())]  # a real run names both (else incomplete_arguments)
     with pytest.raises(ConfigError) as info:
         train.main([*argv, "--max_length", "512", "--max_prompt_length", "64", "--max_steps", "1"])
     assert info.value.reason_code == "limits_looser_than_prepared"

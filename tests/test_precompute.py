@@ -43,7 +43,7 @@ def _no_build(*args, **kwargs):
 def test_precomputed_equals_online_and_the_cache_is_reused_without_building_the_reference(tmp_path, monkeypatch):
     online = _trainer(tmp_path, out="online")
     online.train()
-    first = _trainer(tmp_path, precompute_ref_logps=True)
+    first = _trainer(tmp_path, precompute_ref_log_probs=True)
     first.train()
     assert first.reference_manager.builds == 1 and isinstance(first.reference, PrecomputedReference)
     assert _losses(first) == pytest.approx(_losses(online), abs=1e-6)
@@ -53,7 +53,7 @@ def test_precomputed_equals_online_and_the_cache_is_reused_without_building_the_
     assert not list(cache.glob(".*tmp"))  # written atomically, nothing left behind
 
     monkeypatch.setattr(manager_module, "build_reference", _no_build)
-    again = _trainer(tmp_path, precompute_ref_logps=True)
+    again = _trainer(tmp_path, precompute_ref_log_probs=True)
     again.train()
     assert again.reference_manager.builds == 0
     assert _losses(again) == _losses(first)
@@ -76,23 +76,23 @@ def test_precompute_with_a_token_budget_keeps_its_micro_batches_within_it(tmp_pa
                 yield batch
 
     monkeypatch.setattr(precompute, "DataLoader", RecordingLoader)
-    pre = _trainer(tmp_path, precompute_ref_logps=True, per_device_eval_batch_size=64, **budget)
+    pre = _trainer(tmp_path, precompute_ref_log_probs=True, per_device_eval_batch_size=64, **budget)
     pre.train()
     assert rows and max(rows) <= 50 < sum(rows) / 2  # the pass ran in budget-sized rows, not 64-pair ones
     assert _losses(pre) == pytest.approx(_losses(online), abs=1e-6)
 
 
 def test_a_different_key_recomputes(tmp_path):
-    _trainer(tmp_path, precompute_ref_logps=True).train()
+    _trainer(tmp_path, precompute_ref_log_probs=True).train()
     cache = tmp_path / "out" / "ref_logps_cache"
     before = set(cache.glob("ref_logps-*.pt"))
-    other_data = _trainer(tmp_path, precompute_ref_logps=True, pairs=synthetic_pairs(40, seed=9))
+    other_data = _trainer(tmp_path, precompute_ref_log_probs=True, pairs=synthetic_pairs(40, seed=9))
     other_data.train()
     assert other_data.reference_manager.builds == 1
-    other_length = _trainer(tmp_path, precompute_ref_logps=True, max_length=2048)
+    other_length = _trainer(tmp_path, precompute_ref_log_probs=True, max_length=2048)
     other_length.train()
     assert other_length.reference_manager.builds == 1
-    other_reference = _trainer(tmp_path, precompute_ref_logps=True, model=tiny_llama(3))  # unpinned: its digest
+    other_reference = _trainer(tmp_path, precompute_ref_log_probs=True, model=tiny_llama(3))  # unpinned: its digest
     other_reference.train()
     assert other_reference.reference_manager.builds == 1
     # new data: a new train entry (the eval set is the same); new length or reference: new train and eval entries
@@ -100,16 +100,16 @@ def test_a_different_key_recomputes(tmp_path):
 
 
 def test_an_unreadable_cache_file_is_recomputed(tmp_path):
-    _trainer(tmp_path, precompute_ref_logps=True).train()
+    _trainer(tmp_path, precompute_ref_log_probs=True).train()
     for path in (tmp_path / "out" / "ref_logps_cache").glob("ref_logps-*.pt"):
         path.write_bytes(b"not a torch file")
-    trainer = _trainer(tmp_path, precompute_ref_logps=True)
+    trainer = _trainer(tmp_path, precompute_ref_log_probs=True)
     trainer.train()
     assert trainer.reference_manager.builds == 1
 
 
 def test_evaluating_another_dataset_computes_its_log_probs(tmp_path):
-    trainer = _trainer(tmp_path, precompute_ref_logps=True)
+    trainer = _trainer(tmp_path, precompute_ref_log_probs=True)
     other = synthetic_pairs(6, seed=11)
     metrics = trainer.evaluate(other)
     online = _trainer(tmp_path, out="online").evaluate(other)
@@ -135,7 +135,7 @@ def test_a_changed_pinned_reference_is_refused_on_resume_before_the_reference_pa
             max_length=128,
             max_prompt_length=64,
             ref_model_revision=DEMO_REVISION,
-            precompute_ref_logps=True,
+            precompute_ref_log_probs=True,
         )
         return PairDPOTrainer(model=str(model_dir), args=config, train_dataset=rows)
 
@@ -186,7 +186,7 @@ def test_dataset_fingerprint_depends_on_token_ids_only():
 
 def test_precompute_with_reference_free_and_offload_without_deepspeed_are_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), reference_free=True, precompute_ref_logps=True)
+        PairDPOConfig(output_dir=str(tmp_path), reference_free=True, precompute_ref_log_probs=True)
     assert info.value.reason_code == "unsupported_combination"
     with pytest.raises(ConfigError) as info:
         _trainer(tmp_path, ref_offload_params=True)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, SnapshotIntegrityError
+from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path, download_metadata_files
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
 from tests.dpo_fixtures import cpu_config
@@ -52,7 +53,8 @@ def _reweight(snapshot_dir, scale: float) -> None:
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] * scale
     data = save(tensors)
-    path.write_bytes(data)
+    with atomic_open(path, "wb") as f:  # a new file, not a rewrite in place: another rank may still mmap the old one
+        f.write(data)
     for rel, content in download_metadata_files({"model.safetensors": data}, DEMO_REVISION).items():
         if rel.endswith(".metadata"):
             (snapshot_dir / rel).write_bytes(content)

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
-from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, generate_demo_pairs
+from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path, generate_demo_pairs
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleError
 from pair_dpo_trainer.modeling import attention
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
@@ -223,7 +223,10 @@ def test_train_script_names_a_mistyped_policy_path(tmp_path):
 
     typo = str(tmp_path / "models" / "typo")
     with pytest.raises(ConfigError) as info:
-        train.main(["--model_name_or_path", typo, "--output_dir", str(tmp_path / "out"), "--use_cpu", "true"])
+        train.main(  # a real run names both the model and the data (train.py: incomplete_arguments otherwise)
+            ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path())]
+            + ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true"]
+        )
     assert info.value.reason_code == "model_not_found"
     assert f"the policy path {typo!r} (--model_name_or_path) does not exist" in info.value.message
 

@@ -87,7 +87,7 @@ class PackedPairBatch(_TensorDataclass):
             fills short ranks with weight-0 duplicates, see :mod:`pair_dpo_trainer.samplers.evaluation`), else
             None (every pair weighs 1).
         ref_logps: ``[2n]`` float32 precomputed reference log-probs in sequence order (chosen, rejected, ...) when
-            the features carry ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precompute_ref_logps``), else None.
+            the features carry ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precompute_ref_log_probs``), else None.
             Kept float32 on the way to the device (the trainer moves the batch with ``.to(device)`` only).
     """
 
@@ -169,7 +169,7 @@ def _ref_logps(features: Sequence[Mapping[str, Any]]) -> torch.Tensor | None:
         raise ConfigError(
             "ref_logps_missing",
             f"feature {present.index(False)} of the micro-batch has no precomputed reference log-probs while others "
-            f"have them ({list(REF_LOGPS_KEYS)}): every pair of a run with precompute_ref_logps needs both.",
+            f"have them ({list(REF_LOGPS_KEYS)}): every pair of a run with precompute_ref_log_probs needs both.",
         )
     values = [float(feature[key]) for feature in features for key in REF_LOGPS_KEYS]
     return torch.tensor(values, dtype=torch.float32)

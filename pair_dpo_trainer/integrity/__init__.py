@@ -1,7 +1,8 @@
 """Offline verification of a pinned reference snapshot and the reference identity record.
 
 ``verify_snapshot`` proves that a ``hf download --local-dir`` directory is exactly a pinned Hub commit (from
-the download metadata and the file bytes, without network access and without loading weights); ``identity``
+the download metadata and the file bytes, without network access and without loading weights); ``pin_snapshot``
+writes such metadata, with a content-derived revision, for a directory saved locally (``pair-dpo pin``); ``identity``
 records and compares what the reference model was across checkpoints. Reason codes: ``docs/reason_codes.md``.
 """
 
@@ -21,6 +22,7 @@ from pair_dpo_trainer.integrity.identity import (
     write_identity,
 )
 from pair_dpo_trainer.integrity.layout import is_pinned_revision
+from pair_dpo_trainer.integrity.pin import pin_snapshot
 from pair_dpo_trainer.integrity.snapshot import (
     VerifiedFile,
     VerifiedSnapshot,
@@ -41,6 +43,7 @@ __all__ = [
     "is_pinned_revision",
     "manifest_digest",
     "parameter_digest",
+    "pin_snapshot",
     "probe_digest",
     "read_identity",
     "verify_snapshot",

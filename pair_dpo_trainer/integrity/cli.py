@@ -12,13 +12,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from pair_dpo_trainer.errors import SnapshotIntegrityError
-from pair_dpo_trainer.integrity.snapshot import verify_snapshot
+from pair_dpo_trainer.integrity.snapshot import VerifiedSnapshot, verify_snapshot
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -41,11 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--allow-pickle", action="store_true", help="Accept .bin (pickle) weights when no safetensors exist."
     )
     parser.add_argument(
-        "--threads", type=_positive_int, default=None, help="Hashing threads (default: one per CPU core)."
+        "--threads", type=positive_int, default=None, help="Hashing threads (default: one per CPU core)."
     )
 
 
-class _Progress:
+class Progress:
     """Lazily created tqdm byte bar on stderr (only when stderr is a terminal)."""
 
     def __init__(self, enabled: bool) -> None:
@@ -67,42 +68,66 @@ class _Progress:
             self.bar = None
 
 
+def snapshot_summary(snapshot: VerifiedSnapshot) -> dict[str, Any]:
+    """The ``--json`` object of a verified (or pinned) snapshot."""
+    return {
+        "ok": True,
+        "revision": snapshot.revision,
+        "root": str(snapshot.root),
+        "manifest_digest": snapshot.manifest_digest,
+        "file_count": len(snapshot.files),
+        "total_bytes": snapshot.total_bytes,
+        "weight_files": list(snapshot.weight_files),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Runs ``verify-snapshot``; returns 0 (verified) or 1 (rejected)."""
-    progress = _Progress(enabled=sys.stderr.isatty())
-    try:
-        snapshot = verify_snapshot(
-            args.path,
-            args.revision,
-            threads=args.threads,
-            allow_pickle=args.allow_pickle,
-            progress=progress,
+
+    def verify(progress: Progress) -> VerifiedSnapshot:
+        return verify_snapshot(
+            args.path, args.revision, threads=args.threads, allow_pickle=args.allow_pickle, progress=progress
         )
+
+    def detail(snapshot: VerifiedSnapshot) -> str:
+        return f"manifest sha256: {snapshot.manifest_digest}"
+
+    return run_snapshot_command(verify, as_json=args.as_json, done="VERIFIED", refused="REJECTED", detail=detail)
+
+
+def run_snapshot_command(
+    action: Callable[[Progress], VerifiedSnapshot],
+    *,
+    as_json: bool,
+    done: str,
+    refused: str,
+    detail: Callable[[VerifiedSnapshot], str],
+) -> int:
+    """Runs ``action`` with a progress bar on a terminal and prints its outcome (``verify-snapshot``, ``pin``).
+
+    Returns:
+        0 with ``DONE ROOT @ REVISION``, the file summary and ``detail(snapshot)`` (or the ``--json`` summary); 1 with
+        ``REFUSED [reason_code] path: ...`` and the message (or ``{"ok": false, ...}``).
+    """
+    progress = Progress(enabled=sys.stderr.isatty())
+    try:
+        snapshot = action(progress)
     except SnapshotIntegrityError as exc:
         progress.close()
-        if args.as_json:
+        if as_json:
             result = {"ok": False, "reason_code": exc.reason_code, "path": exc.path, "message": exc.message}
             print(json.dumps(result, sort_keys=True))
         else:
-            print(f"REJECTED [{exc.reason_code}] path: {exc.path or '-'}\n  {exc.message}")
+            print(f"{refused} [{exc.reason_code}] path: {exc.path or '-'}\n  {exc.message}")
         return 1
     progress.close()
-    if args.as_json:
-        result = {
-            "ok": True,
-            "revision": snapshot.revision,
-            "root": str(snapshot.root),
-            "manifest_digest": snapshot.manifest_digest,
-            "file_count": len(snapshot.files),
-            "total_bytes": snapshot.total_bytes,
-            "weight_files": list(snapshot.weight_files),
-        }
-        print(json.dumps(result, sort_keys=True))
+    if as_json:
+        print(json.dumps(snapshot_summary(snapshot), sort_keys=True))
     else:
         print(
-            f"VERIFIED {snapshot.root} @ {snapshot.revision}\n"
+            f"{done} {snapshot.root} @ {snapshot.revision}\n"
             f"  files: {len(snapshot.files)} ({snapshot.total_bytes} bytes), weights: "
             f"{', '.join(snapshot.weight_files)}\n"
-            f"  manifest sha256: {snapshot.manifest_digest}"
+            f"  {detail(snapshot)}"
         )
     return 0

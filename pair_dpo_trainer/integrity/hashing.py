@@ -47,14 +47,14 @@ class HashJob:
         rel: Path relative to the snapshot root (reported in errors).
         path: Absolute path to open.
         kind: ``"git"`` or ``"lfs"``.
-        expected: Expected lowercase hex digest (the etag).
+        expected: Expected lowercase hex digest (the etag); None to hash without comparing (``pair-dpo pin``).
         size: Size seen before hashing (used for scheduling and progress only, never as evidence).
     """
 
     rel: str
     path: Path
     kind: str
-    expected: str
+    expected: str | None
     size: int
 
 
@@ -144,7 +144,7 @@ def _check_one(job: HashJob, on_bytes: Callable[[int], None], stop: threading.Ev
         raise SnapshotIntegrityError("file_missing", f"file vanished while verifying: {exc}", job.rel) from exc
     except OSError as exc:
         raise SnapshotIntegrityError("unreadable_file", f"cannot read file: {exc}", job.rel) from exc
-    if digest != job.expected:
+    if job.expected is not None and digest != job.expected:
         algo = "Git blob SHA-1" if job.kind == "git" else "SHA-256"
         raise SnapshotIntegrityError(
             "hash_mismatch",

@@ -21,6 +21,14 @@ BOOKKEEPING_PARTS = (".cache", "huggingface")
 DOWNLOAD_DIR_PARTS = (*BOOKKEEPING_PARTS, "download")
 METADATA_SUFFIX = ".metadata"
 METADATA_MAX_BYTES = 4096
+# What huggingface_hub writes in DIR/.cache/huggingface/ besides the metadata (`_local_folder._huggingface_dir`).
+GITIGNORE_TEXT = "*"
+CACHEDIR_TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This file is a cache directory tag created by huggingface_hub.\n"
+    "# For information about cache directory tags, see:\n"
+    "#\thttps://bford.info/cachedir/\n"
+)
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _ETAG_RE = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
@@ -44,6 +52,17 @@ class FileMetadata:
     etag: str
     timestamp: float
     metadata_path: str
+
+
+def metadata_text(commit: str, etag: str, timestamp: float) -> str:
+    """The content of one ``.metadata`` file, as ``huggingface_hub._local_folder.write_download_metadata`` writes it:
+    ``f"{commit}\\n{etag}\\n{timestamp}\\n"``."""
+    return f"{commit}\n{etag}\n{timestamp!r}\n"
+
+
+def metadata_rel(payload_rel: str) -> str:
+    """``.cache/huggingface/download/<payload_rel>.metadata``: where a payload file's record lives."""
+    return "/".join(DOWNLOAD_DIR_PARTS) + "/" + payload_rel + METADATA_SUFFIX
 
 
 def is_pinned_revision(revision: object) -> bool:
@@ -205,8 +224,8 @@ def scan_metadata(root: Path) -> dict[str, Path]:
         for name in filenames:
             if not name.endswith(METADATA_SUFFIX):
                 continue
-            meta_rel = "/".join(DOWNLOAD_DIR_PARTS) + "/" + prefix + name
             payload_rel = prefix + name[: -len(METADATA_SUFFIX)]
+            meta_rel = metadata_rel(payload_rel)
             check_repo_path(payload_rel, what=f"metadata file {meta_rel!r} names a payload")
             full = Path(dirpath) / name
             found[payload_rel] = resolve_inside_metadata(root, full, meta_rel) if full.is_symlink() else full
@@ -241,7 +260,7 @@ def parse_metadata(payload_rel: str, metadata_file: Path) -> FileMetadata:
     Raises:
         SnapshotIntegrityError: ``metadata_malformed`` (path: the payload path).
     """
-    meta_rel = "/".join(DOWNLOAD_DIR_PARTS) + "/" + payload_rel + METADATA_SUFFIX
+    meta_rel = metadata_rel(payload_rel)
 
     def bad(why: str) -> SnapshotIntegrityError:
         return SnapshotIntegrityError("metadata_malformed", f"{meta_rel}: {why}", payload_rel)

@@ -93,9 +93,13 @@ def manifest_digest(files: tuple[VerifiedFile, ...] | list[VerifiedFile]) -> str
     Returns:
         Lowercase hex SHA-256.
     """
+    return hashlib.sha256(manifest_listing(files)).hexdigest()
+
+
+def manifest_listing(files: tuple[VerifiedFile, ...] | list[VerifiedFile]) -> bytes:
+    """The canonical listing that :func:`manifest_digest` hashes (UTF-8 JSON, sorted by path)."""
     listing = sorted([f.path, f.kind, f.digest, f.size] for f in files)
-    text = json.dumps(listing, separators=(",", ":"), ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    return json.dumps(listing, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
 def _require_pinned(revision: str) -> None:
@@ -107,7 +111,7 @@ def _require_pinned(revision: str) -> None:
         )
 
 
-def _open_root(path: str | os.PathLike[str]) -> Path:
+def open_root(path: str | os.PathLike[str]) -> Path:
     """Returns the resolved snapshot root or raises ``not_a_directory``."""
     candidate = Path(path)
     if not candidate.is_dir():
@@ -177,7 +181,7 @@ def plan_snapshot(path: str | os.PathLike[str], revision: str, *, allow_pickle: 
         SnapshotIntegrityError: The reason codes of steps 1 to 5 (see the module docstring).
     """
     _require_pinned(revision)
-    root = _open_root(path)
+    root = open_root(path)
     payload = scan_payload(root)
     records = _read_records(root, revision)
     matched = _match_payload(root, payload, records)

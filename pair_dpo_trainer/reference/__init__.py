@@ -2,7 +2,7 @@
 
 - :mod:`.base`: the ``Reference`` protocol and the in-process backends (``NoReference``, ``FrozenReference``).
 - :mod:`.engine`: ``DeepSpeedReference``, the reference as its own inference-only DeepSpeed engine.
-- :mod:`.precompute`: ``precompute_ref_logps``: one reference pass, a keyed cache, ``PrecomputedReference``.
+- :mod:`.precompute`: ``precompute_ref_log_probs``: one reference pass, a keyed cache, ``PrecomputedReference``.
 - :mod:`.build`: ``build_reference``, the one place where reference modes are selected.
 - :mod:`.manager`: ``ReferenceManager``, when the reference is built, identified, checked, precomputed and freed.
 - :mod:`.source`: which local directory and pinned revision the reference comes from, verified before loading.

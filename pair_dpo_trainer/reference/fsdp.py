@@ -63,14 +63,15 @@ def fsdp_reference_problems(args: Any, *, fsdp: bool, peft_reference: bool) -> l
                 "use FSDP2: launch with an FSDP2 config (accelerate_configs/fsdp2.yaml) or leave ref_fsdp_shard unset.",
             )
         ]
-    if peft_reference and args.precompute_ref_logps:
+    if peft_reference and args.precompute_ref_log_probs:
         return [
             (
                 "unsupported_combination",
-                "precompute_ref_logps=True with a PEFT policy under FSDP2: its reference is the policy itself, which "
-                "Accelerate shards only when train() starts, so a reference pass before training would run the whole "
-                "unsharded policy on one device. Leave precompute_ref_logps off (the adapter-disabled reference is one "
-                "no-grad forward of the sharded policy), or set ref_model_name_or_path for a separate reference.",
+                "precompute_ref_log_probs=True with a PEFT policy under FSDP2: its reference is the policy itself, "
+                "which Accelerate shards only when train() starts, so a reference pass before training would run the "
+                "whole unsharded policy on one device. Leave precompute_ref_log_probs off (the adapter-disabled "
+                "reference is one no-grad forward of the sharded policy), or set ref_model_name_or_path for a separate "
+                "reference.",
             )
         ]
     return []

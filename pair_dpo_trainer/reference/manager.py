@@ -2,12 +2,12 @@
 
 Timeline of a run (:class:`ReferenceManager`):
 
-- ``__init__`` (in ``PairDPOTrainer.__init__``): without DeepSpeed and without ``precompute_ref_logps`` the reference
-  is built and identified at once (as before). Otherwise nothing is built yet: a DeepSpeed reference engine is built
-  lazily, and a precomputed run may never build it (cache hit).
+- ``__init__`` (in ``PairDPOTrainer.__init__``): without DeepSpeed and without ``precompute_ref_log_probs`` the
+  reference is built and identified at once (as before). Otherwise nothing is built yet: a DeepSpeed reference engine
+  is built lazily, and a precomputed run may never build it (cache hit).
 - :meth:`ReferenceManager.prepare` (``PairDPOTrainer.train`` before ``Trainer.train``, and ``evaluate``): builds the
   lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,
-  and for ``precompute_ref_logps`` runs the reference pass (or reads the cache) and frees the reference.
+  and for ``precompute_ref_log_probs`` runs the reference pass (or reads the cache) and frees the reference.
 
 Why there and not in a Trainer hook after ``deepspeed_init``: ``PairDPOTrainer.train`` runs before the Trainer
 restores anything from a checkpoint on every path (without DeepSpeed ``Trainer.train`` loads the policy weights
@@ -112,10 +112,10 @@ class ReferenceManager:
         self._identity: ReferenceIdentity | None = None
         self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
         self._key_reference: dict[str, Any] | None = None
-        lazy = deepspeed_config is not None or args.precompute_ref_logps
+        lazy = deepspeed_config is not None or args.precompute_ref_log_probs
         if args.reference_free or not lazy:
             self._build()
-        if args.precompute_ref_logps:
+        if args.precompute_ref_log_probs:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
 
     @property
@@ -125,13 +125,13 @@ class ReferenceManager:
         Raises:
             ConfigError: ``ref_logps_missing`` for a precomputed run before ``train()`` / ``evaluate()``.
         """
-        if self._backend is None and not self.args.precompute_ref_logps:
+        if self._backend is None and not self.args.precompute_ref_log_probs:
             self._build()
         if self._backend is None:
             raise ConfigError(
                 "ref_logps_missing",
-                "precompute_ref_logps=True: the reference log-probs are computed by train() or evaluate(); call one "
-                "of them before running the reference.",
+                "precompute_ref_log_probs=True: the reference log-probs are computed by train() or evaluate(); call "
+                "one of them before running the reference.",
             )
         return self._backend
 
@@ -160,7 +160,7 @@ class ReferenceManager:
         """
         if self.args.reference_free:
             return
-        if self.args.precompute_ref_logps:
+        if self.args.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
         elif self._backend is None:
             self._build()
@@ -170,7 +170,7 @@ class ReferenceManager:
 
     def attach(self, dataset: Any) -> Any:
         """``dataset`` with its precomputed log-probs as features (unchanged when nothing was precomputed)."""
-        if not self.args.precompute_ref_logps or dataset is None:
+        if not self.args.precompute_ref_log_probs or dataset is None:
             return dataset
         entry = self._logps.get(id(dataset))
         return dataset if entry is None else WithRefLogps(dataset, entry[1])

@@ -1,4 +1,4 @@
-"""Precomputed reference log-probs (``precompute_ref_logps=True``): one reference pass, a cache, then one model.
+"""Precomputed reference log-probs (``precompute_ref_log_probs=True``): one reference pass, a cache, then one model.
 
 Before training, the verified reference runs once over the train (and eval) pairs, each rank its share of an
 evaluation-style schedule (:func:`~pair_dpo_trainer.samplers.evaluation.plan_eval`: every pair once, the same number
@@ -59,9 +59,9 @@ class PrecomputedReference:
         if batch.ref_logps is None:
             raise ConfigError(
                 "ref_logps_missing",
-                "this batch has no precomputed reference log-probs (precompute_ref_logps=True covers only the "
+                "this batch has no precomputed reference log-probs (precompute_ref_log_probs=True covers only the "
                 "trainer's train_dataset and eval_dataset): pass the dataset as eval_dataset when building the "
-                "trainer, or set precompute_ref_logps=False.",
+                "trainer, or set precompute_ref_log_probs=False.",
             )
         return batch.ref_logps
 

@@ -118,7 +118,8 @@ def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> Re
             "reference_not_pinned",
             "standard DPO needs a pinned reference: set ref_model_revision to the 40-hex commit of the reference "
             "directory (`hf download REPO --revision <sha> --local-dir DIR` writes the metadata it is verified "
-            "against), or set allow_unpinned_reference=True to accept an unverified reference.",
+            "against; for a directory you saved yourself, e.g. after SFT, run `pair-dpo pin DIR` and pass the "
+            "revision it prints), or set allow_unpinned_reference=True to accept an unverified reference.",
         )
     logger.warning(
         "allow_unpinned_reference=True: the reference is not verified against a pinned revision; its identity is "

@@ -11,7 +11,7 @@ Z="accelerate launch --config_file accelerate_configs/zero3.yaml"
 run() { train_run 120 $W "$@"; }
 run dp1_std $Z --num_processes 1 --main_process_port 29601 train.py $COMMON --per_device_train_batch_size 16 --gradient_accumulation_steps 2
 run dp2_std $Z --num_processes 2 --main_process_port 29602 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2
-run dp2_pre $Z --num_processes 2 --main_process_port 29603 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --precompute_ref_logps true
+run dp2_pre $Z --num_processes 2 --main_process_port 29603 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --precompute_ref_log_probs true
 run dp2_resume $Z --num_processes 2 --main_process_port 29604 train.py $COMMON --per_device_train_batch_size 8 --gradient_accumulation_steps 2 --resume_from_checkpoint $W/dp2_std/checkpoint-25
 python3 scripts/plot_loss_curves.py $W/dp1_std/trainer_state.json $W/dp2_std/trainer_state.json --labels "DP=1" "DP=2" --out $OUT/dp1_vs_dp2.png
 python3 scripts/plot_loss_curves.py $W/dp2_std $W/dp2_pre $W/dp2_resume --labels "online reference" "precomputed" "resumed at 25" --out $OUT/zero3_online_precomputed_resume.png

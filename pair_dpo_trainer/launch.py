@@ -1,0 +1,96 @@
+"""What the launcher and the hardware decide: the bf16 default, CPU for a CPU-only multi-process launch, and the
+check that the launched processes form one job.
+
+``PairDPOConfig.__post_init__`` calls :func:`resolve_bf16` and :func:`resolve_use_cpu` before
+``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` after it.
+
+Why the last two exist: on a machine without an accelerator, ``torchrun --nproc_per_node 2 train.py`` (and
+``accelerate launch`` with a DDP config, which runs torchrun) starts processes that accelerate's ``PartialState``
+does not join into one job unless ``use_cpu=True`` (it finds no GPU backend and falls back to "not distributed"):
+two independent world-size-1 trainings (the ``deepspeed`` launcher and ``torchrun ... --deepspeed`` too). A single
+process on such a machine runs on the CPU without being asked, so a multi-process launch does the same here:
+``use_cpu`` becomes True and the processes form one gloo job. Any other
+launch whose processes still do not form one job (e.g. accelerate's ``MULTI_CPU`` type without ``mpirun``, which
+starts ONE process for ``num_processes: 2``) raises ``launch_not_one_job`` instead of training alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from transformers.utils import is_torch_bf16_gpu_available
+
+# Environment variables that carry the number of processes of the job (torchrun / deepspeed launcher, then MPI).
+WORLD_SIZE_VARIABLES = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
+# Mixed precisions an accelerate config (ACCELERATE_MIXED_PRECISION) can ask for that are not bf16.
+_OTHER_PRECISIONS = ("fp16", "fp8")
+
+
+def resolve_bf16(bf16: bool | None, *, fp16: bool, use_cpu: bool, env: Mapping[str, str]) -> bool:
+    """The value of ``bf16`` when the user left it unset (``None``), else the user's value.
+
+    Unset, bf16 mixed precision is on exactly when the run can use it and nothing else was asked for: not ``fp16``,
+    not ``use_cpu``, an accelerator with bf16 support (transformers' ``is_torch_bf16_gpu_available``, the check
+    ``TrainingArguments`` itself applies to ``bf16=True``), and no other precision from the launcher
+    (``ACCELERATE_MIXED_PRECISION`` ``fp16`` / ``fp8`` from an accelerate config). CPU runs stay float32.
+
+    Args:
+        bf16: The configured value; ``None`` means unset.
+        fp16: The configured ``fp16``.
+        use_cpu: The configured ``use_cpu``.
+        env: The process environment.
+    """
+    if bf16 is not None:
+        return bool(bf16)
+    if fp16 or use_cpu or env.get("ACCELERATE_MIXED_PRECISION", "no").lower() in _OTHER_PRECISIONS:
+        return False
+    return bool(is_torch_bf16_gpu_available())
+
+
+def launcher_world_size(env: Mapping[str, str]) -> int:
+    """The number of processes the launcher started for this job (1 when no launcher says otherwise)."""
+    for name in WORLD_SIZE_VARIABLES:
+        value = env.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 1
+
+
+def accelerator_available() -> bool:
+    """True when torch sees an accelerator (CUDA, XPU, ...) that a distributed backend can run on."""
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and hasattr(accelerator, "is_available"):
+        return bool(accelerator.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def resolve_use_cpu(use_cpu: bool, *, env: Mapping[str, str]) -> bool:
+    """``use_cpu``, switched on for a multi-process launch on a machine without an accelerator (see the module
+    docstring). Also under DeepSpeed: without it accelerate counts a DeepSpeed job on the CPU as one process
+    (``PartialState`` finds no GPU backend) although DeepSpeed joined the processes."""
+    return use_cpu or (launcher_world_size(env) > 1 and not accelerator_available())
+
+
+def launch_problem(world_size: int, env: Mapping[str, str]) -> str | None:
+    """Why the launched processes do not form one job, or None when they do.
+
+    Args:
+        world_size: The world size ``TrainingArguments`` set up (``args.world_size``).
+        env: The process environment.
+    """
+    expected = launcher_world_size(env)
+    if expected > 1 and world_size != expected:
+        return (
+            f"the launcher started {expected} processes (WORLD_SIZE={expected}) but they did not join one job "
+            f"(world_size={world_size} here): each would train alone on the same output_dir. On a machine without "
+            "GPUs pass --use_cpu True; with GPUs check that every process sees one (CUDA_VISIBLE_DEVICES)."
+        )
+    intended_many = "MASTER_PORT" in env and "ACCELERATE_USE_CPU" in env  # set by accelerate's one-process launcher
+    if world_size == 1 and expected == 1 and intended_many:
+        return (
+            "accelerate launched ONE process for a multi-process config (its MULTI_CPU / --cpu launcher starts one "
+            "process unless run under mpirun): use accelerate_configs/cpu_2proc.yaml (torchrun-based) or "
+            "`torchrun --nproc_per_node N train.py`, or set num_processes: 1."
+        )
+    return None

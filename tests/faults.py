@@ -1,0 +1,145 @@
+"""Helpers for the fault tests: run tests/fault_worker.py as one process or as N directly launched ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "fault_worker.py"
+
+
+def run_spec(root: Path, name: str, **options: Any) -> dict[str, Any]:
+    """A run spec for the worker with its files under ``root/name``."""
+    base = root / name
+    base.mkdir(parents=True, exist_ok=True)
+    return {"out": str(base / "out"), "result": str(base / "result"), "progress": str(base / "progress"), **options}
+
+
+def worker_env(rank: int = 0, world_size: int = 1, port: int | None = None, gpu: bool = False) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        **({} if gpu else {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
+        ),
+    }
+    if world_size > 1:
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+    return env
+
+
+def launch(
+    runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1, extra_env: dict[str, str] | None = None
+) -> list[subprocess.Popen]:
+    """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes."""
+    config = json.dumps({"runs": runs})
+    port = free_port()
+    gpu = any(run.get("gpu") for run in runs)
+    procs = []
+    for rank in range(world_size):
+        log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process is reaped
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), config],
+                env={**worker_env(rank, world_size, port, gpu=gpu), **(extra_env or {})},
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    return procs
+
+
+def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+    """Exit codes after at most ``timeout`` seconds (None: still running)."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            pass
+    return [proc.poll() for proc in procs]
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs the given processes (by their pids) that still run, stopped ones included."""
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def logs(log_dir: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()[-4000:]}" for p in sorted(log_dir.glob("rank*.log")))
+
+
+def run_to_end(runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1, timeout: float = 400) -> list[int]:
+    """Runs the worker to completion; returns the exit codes (the processes are killed after ``timeout``)."""
+    procs = launch(runs, log_dir, world_size)
+    try:
+        codes = wait(procs, timeout)
+    finally:
+        kill_all(procs)
+    assert None not in codes, f"still running after {timeout} s\n" + logs(log_dir)
+    return codes
+
+
+def outcome(spec: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    return json.loads(Path(f"{spec['result']}.rank{rank}.json").read_text())
+
+
+def final_state(spec: dict[str, Any], rank: int = 0) -> dict[str, Any]:
+    return torch.load(f"{spec['result']}.rank{rank}.pt", weights_only=False)
+
+
+def wait_for_progress(
+    spec: dict[str, Any], rank: int, step: int, procs: list[subprocess.Popen], timeout: float
+) -> None:
+    """Blocks until ``rank`` reported ``step`` in its progress file (fails if the workers exit first)."""
+    deadline = time.monotonic() + timeout
+    path = Path(spec["progress"])
+    while time.monotonic() < deadline:
+        if path.exists() and any(line.split()[:2] == [str(rank), str(step)] for line in path.read_text().splitlines()):
+            return
+        if all(proc.poll() is not None for proc in procs):
+            break
+        time.sleep(0.05)
+    raise AssertionError(f"rank {rank} never reported step {step}")
+
+
+def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float = 1e-6) -> None:
+    assert set(a) == set(b) and len(a) > 0
+    for name, value in a.items():
+        torch.testing.assert_close(b[name], value, atol=atol, rtol=0, msg=name)
+
+
+def signal_rank_after(
+    spec: dict[str, Any], procs: list[subprocess.Popen], rank: int, step: int, sig: int, timeout: float
+) -> list[int | None]:
+    """Sends ``sig`` to ``rank`` once it reported ``step``, then returns every rank's exit code (all killed after)."""
+    try:
+        wait_for_progress(spec, rank, step, procs, timeout=timeout)
+        os.kill(procs[rank].pid, sig)
+        return wait(procs, timeout)
+    finally:
+        kill_all(procs)

@@ -1,0 +1,195 @@
+"""Every documented launch path starts what it says: shipped accelerate configs, torchrun, --deepspeed, the deepspeed
+launcher.
+
+The 2-process launches run train.py itself on the CPU (gloo, fp32) for 2 optimizer steps on 64 demo pairs, and check
+that the processes formed ONE job (``world_size=2`` in the run summary, printed once, by rank 0) that trained. They
+are few on purpose (each costs 15-60 s on 2 cores): the accelerate ``cpu_2proc.yaml`` launch is also the
+"torchrun without --use_cpu" case (accelerate runs torchrun, and nothing tells the processes to use the CPU), the
+``torchrun --deepspeed`` launch is issue 13's failing command, and the ``deepspeed`` launcher runs without
+``--use_cpu``. Configs that need GPUs are checked by accelerate's own launch-argument parsing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pair_dpo_trainer import launch
+from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+from tests.ports import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "accelerate_configs"
+DS_ZERO3 = CONFIGS / "deepspeed" / "zero3.json"
+
+
+# ------------------------------------------------------------------ the pure launch rules
+
+
+def test_launcher_world_size_reads_torchrun_and_mpi_variables():
+    assert launch.launcher_world_size({}) == 1
+    assert launch.launcher_world_size({"WORLD_SIZE": "4"}) == 4
+    assert launch.launcher_world_size({"OMPI_COMM_WORLD_SIZE": "2"}) == 2
+    assert launch.launcher_world_size({"WORLD_SIZE": ""}) == 1
+
+
+@pytest.mark.parametrize(
+    "use_cpu,env,accelerator,expected",
+    [
+        (False, {"WORLD_SIZE": "2"}, False, True),  # torchrun on a CPU-only machine: one gloo job
+        (False, {"WORLD_SIZE": "2", "ACCELERATE_USE_DEEPSPEED": "true"}, False, True),
+        (False, {"WORLD_SIZE": "2"}, True, False),  # GPUs: accelerate uses them
+        (False, {}, False, False),  # one process: TrainingArguments picks the device itself
+        (True, {}, True, True),  # the user's choice stays
+    ],
+)
+def test_a_multi_process_launch_without_accelerator_runs_on_the_cpu(monkeypatch, use_cpu, env, accelerator, expected):
+    monkeypatch.setattr(launch, "accelerator_available", lambda: accelerator)
+    assert launch.resolve_use_cpu(use_cpu, env=env) is expected
+
+
+def test_processes_that_do_not_form_one_job_are_named():
+    assert launch.launch_problem(2, {"WORLD_SIZE": "2"}) is None
+    assert launch.launch_problem(1, {}) is None
+    assert "did not join one job" in launch.launch_problem(1, {"WORLD_SIZE": "2"})
+    # accelerate's MULTI_CPU launcher: MASTER_PORT set for num_processes > 1, then ONE process without WORLD_SIZE.
+    one_of_many = {"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert "ONE process" in launch.launch_problem(1, one_of_many)
+    assert launch.launch_problem(2, {**one_of_many, "OMPI_COMM_WORLD_SIZE": "2"}) is None  # under mpirun
+
+
+# ------------------------------------------------------------------ shipped accelerate configs, parsed by accelerate
+
+# config -> (launcher accelerate picks, processes, what else the name promises)
+EXPECTED_CONFIGS = {
+    "cpu_2proc.yaml": ("torchrun", 2, {"use_cpu": True, "mixed_precision": "no"}),
+    "single_gpu.yaml": ("single process", 1, {"mixed_precision": "bf16", "use_cpu": False}),
+    "multi_gpu_ddp.yaml": ("torchrun", 8, {"mixed_precision": "bf16", "use_cpu": False}),
+    "zero3.yaml": ("deepspeed", 8, {"zero_stage": 3, "offload_param_device": "none", "mixed_precision": "bf16"}),
+    "zero3_offload.yaml": ("deepspeed", 8, {"zero_stage": 3, "offload_param_device": "cpu"}),
+    "zero3_overlap.yaml": ("deepspeed", 8, {"zero_stage": 3}),
+    "zero3_multinode.yaml": ("deepspeed", 64, {"zero_stage": 3, "num_machines": 8}),
+    "fsdp2.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": False, "mixed_precision": "bf16"}),
+    "fsdp2_offload.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": True}),
+    "fsdp2_multinode.yaml": ("fsdp (torchrun)", 64, {"fsdp_version": 2, "num_machines": 8}),
+}
+
+
+def _accelerate_decision(config: Path) -> tuple[str, int, dict]:
+    """What ``accelerate launch --config_file config train.py`` would start (its own parsing, nothing launched)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    args, defaults, _ = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "x"])
+    )
+    launcher = "deepspeed" if args.use_deepspeed else "fsdp (torchrun)" if args.use_fsdp else None
+    launcher = launcher or ("torchrun" if args.multi_gpu else "single process")
+    ds = {**(defaults.deepspeed_config or {}), **(defaults.fsdp_config or {})}
+    if "deepspeed_config_file" in ds:
+        ds_file = json.loads((ROOT / ds["deepspeed_config_file"]).read_text())
+        ds["zero_stage"] = ds_file["zero_optimization"]["stage"]
+    facts = {"use_cpu": bool(args.use_cpu), "mixed_precision": args.mixed_precision, "num_machines": args.num_machines}
+    return launcher, int(args.num_processes), {**facts, **ds}
+
+
+def test_every_shipped_config_is_checked():
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXPECTED_CONFIGS)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_CONFIGS))
+def test_shipped_accelerate_config_starts_what_its_name_says(name):
+    launcher, processes, facts = _accelerate_decision(CONFIGS / name)
+    expected_launcher, expected_processes, expected_facts = EXPECTED_CONFIGS[name]
+    assert (launcher, processes) == (expected_launcher, expected_processes)
+    assert {key: facts.get(key) for key in expected_facts} == expected_facts
+
+
+def test_the_deepspeed_json_for_the_trainer_flag_is_zero3_with_auto_sizes():
+    config = json.loads(DS_ZERO3.read_text())
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["train_batch_size"] == config["train_micro_batch_size_per_gpu"] == "auto"
+
+
+# ------------------------------------------------------------------ real 2-process launches of train.py
+
+
+@pytest.fixture(scope="module")
+def pairs_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("launch_data") / "pairs.jsonl"
+    path.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:64]))
+    return path
+
+
+def _train_args(out: Path, pairs: Path) -> list[str]:
+    return [
+        "--model_name_or_path", str(bundled_model_dir()), "--dataset", str(pairs), "--eval_size", "0",
+        "--max_steps", "2", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+        "--max_length", "128", "--logging_steps", "1", "--save_strategy", "no", "--disable_tqdm", "true",
+        "--output_dir", str(out),
+    ]  # fmt: skip
+
+
+def _launch(prefix: list[str], tmp_path: Path, pairs: Path, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "CUDA_VISIBLE_DEVICES": "",
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "DS_ACCELERATOR": "cpu",
+        "TORCH_EXTENSIONS_DIR": os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
+        ),
+    }
+    command = [*prefix, str(ROOT / "train.py"), *_train_args(out, pairs), *extra]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    return output, json.loads((out / "trainer_state.json").read_text())
+
+
+def _assert_one_two_process_job(output: str, state: dict) -> None:
+    summaries = [line for line in output.splitlines() if line.startswith("pair_dpo: world_size=")]
+    assert len(summaries) == 1 and summaries[0].startswith("pair_dpo: world_size=2 | 8 pairs/step"), summaries
+    losses = [entry["loss"] for entry in state["log_history"] if "loss" in entry]
+    assert state["global_step"] == 2 and len(losses) == 2
+    assert losses[0] == pytest.approx(0.6931, abs=1e-3)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_accelerate_launch_with_cpu_2proc_config_runs_one_two_process_job(tmp_path, pairs_file):
+    config = yaml.safe_load((CONFIGS / "cpu_2proc.yaml").read_text())
+    assert "--use_cpu" not in _train_args(tmp_path, pairs_file)  # the processes are not told to use the CPU
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "cpu_2proc.yaml")]
+    prefix += ["--main_process_port", str(free_port())]
+    output, state = _launch(prefix, tmp_path, pairs_file)
+    _assert_one_two_process_job(output, state)
+    assert config["num_processes"] == 2
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_with_the_trainer_deepspeed_flag_runs_zero3(tmp_path, pairs_file):
+    """Issue 13's command: the policy is loaded by path under ``deepspeed.zero.Init`` before the Trainer exists."""
+    prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    output, state = _launch(prefix, tmp_path, pairs_file, "--use_cpu", "True", "--deepspeed", str(DS_ZERO3))
+    _assert_one_two_process_job(output, state)
+    assert "ZeRO-3 leaf modules LlamaDecoderLayer" in output  # printed only under ZeRO-3
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_deepspeed_launcher_runs_zero3(tmp_path, pairs_file):
+    prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    output, state = _launch(prefix, tmp_path, pairs_file, "--deepspeed", str(DS_ZERO3))
+    _assert_one_two_process_job(output, state)
+    assert "ZeRO-3 leaf modules LlamaDecoderLayer" in output

@@ -1,0 +1,257 @@
+"""One run per output directory, a stalled or dead rank, and preemption: real processes, real signals.
+
+Multi-rank cases launch tests/fault_worker.py once per rank with ``RANK`` / ``WORLD_SIZE`` set (as ``srun`` or a
+launcher would), so that one rank can be signalled and every rank's exit code is seen.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from pair_dpo_trainer.errors import RunError
+from pair_dpo_trainer.runtime import PREEMPTED_EXIT_CODE
+from pair_dpo_trainer.runtime.checkpoint import checkpoint_problem, list_checkpoints, read_manifest
+from pair_dpo_trainer.runtime.lock import (
+    LOCK_FILENAME,
+    LockHolder,
+    OutputDirLock,
+    acquire_output_dir,
+    process_start_ticks,
+    release_output_dir,
+)
+from tests.ds_worker import full_parameters
+from tests.fault_worker import build
+from tests.faults import (
+    assert_same_parameters,
+    final_state,
+    kill_all,
+    launch,
+    logs,
+    outcome,
+    run_spec,
+    run_to_end,
+    signal_rank_after,
+    wait,
+    wait_for_progress,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---------------------------------------------------------------------------------------------- output-dir lock
+def _lock_record(directory: Path, **fields) -> Path:
+    holder = {**LockHolder.current().__dict__, **fields}
+    path = directory / LOCK_FILENAME
+    directory.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(holder))
+    return path
+
+
+def test_a_live_holder_on_this_host_is_refused_and_named(tmp_path):
+    path = _lock_record(tmp_path, pid=os.getppid(), start_ticks=process_start_ticks(os.getppid()), token="other")
+    with pytest.raises(RunError) as refused:
+        OutputDirLock(tmp_path).acquire()
+    assert refused.value.reason_code == "output_dir_in_use"
+    assert f"pid {os.getppid()}" in str(refused.value) and socket.gethostname() in str(refused.value)
+    assert json.loads(path.read_text())["token"] == "other"
+
+
+def test_a_reused_pid_or_another_boot_is_a_dead_holder_and_is_taken_over(tmp_path):
+    parent = {"pid": os.getppid(), "start_ticks": process_start_ticks(os.getppid())}  # alive: judged by the rest
+    for fields in ({**parent, "start_ticks": -1}, {**parent, "boot_id": "an-earlier-boot"}):
+        _lock_record(tmp_path, token="stale", **fields)
+        lock = OutputDirLock(tmp_path)
+        warning = lock.acquire()
+        assert warning is not None and "no longer alive" in warning
+        assert json.loads((tmp_path / LOCK_FILENAME).read_text())["token"] == lock.holder.token
+        lock.release()
+        assert not (tmp_path / LOCK_FILENAME).exists()
+
+
+def test_a_holder_on_another_host_or_a_foreign_file_is_never_taken_over(tmp_path):
+    _lock_record(tmp_path, host="node-17", pid=1, token="remote")
+    with pytest.raises(RunError) as refused:
+        OutputDirLock(tmp_path).acquire()
+    assert "node-17" in str(refused.value) and f"delete {tmp_path / LOCK_FILENAME}" in str(refused.value)
+    (tmp_path / LOCK_FILENAME).write_text("not json")
+    with pytest.raises(RunError) as foreign:
+        OutputDirLock(tmp_path).acquire()
+    assert foreign.value.reason_code == "output_dir_in_use" and "not a pair_dpo lock record" in str(foreign.value)
+
+
+def test_the_lock_is_reentrant_in_one_process_and_released_by_its_last_holder(tmp_path):
+    assert acquire_output_dir(tmp_path) is None and acquire_output_dir(tmp_path) is None
+    release_output_dir(tmp_path)
+    assert (tmp_path / LOCK_FILENAME).exists()
+    release_output_dir(tmp_path)
+    assert not (tmp_path / LOCK_FILENAME).exists()
+
+
+@pytest.mark.slow
+def test_a_second_run_on_the_same_output_dir_refuses_at_start_and_the_first_is_untouched(tmp_path):
+    first = run_spec(tmp_path, "a", max_steps=12, hold_until=str(tmp_path / "go"))  # waits after step 1
+    second = {**run_spec(tmp_path, "b", max_steps=4, seed=1), "out": first["out"]}
+    procs = launch([first], tmp_path / "a")
+    try:
+        wait_for_progress(first, 0, 1, procs, timeout=200)
+        (code,) = run_to_end([second], tmp_path / "b", timeout=300)
+        assert code == 1, logs(tmp_path / "b")
+        refused = outcome(second)
+        assert refused["reason_code"] == "output_dir_in_use", refused
+        assert f"pid {procs[0].pid}" in refused["message"] and socket.gethostname() in refused["message"]
+        (tmp_path / "go").touch()
+        assert wait(procs, 300) == [0], logs(tmp_path / "a")
+    finally:
+        kill_all(procs)
+    assert outcome(first)["global_step"] == 12
+    assert [step for step, _ in list_checkpoints(first["out"])] == [2, 4, 6, 8, 10, 12]
+    assert not (Path(first["out"]) / LOCK_FILENAME).exists()  # released on a normal exit
+
+
+@pytest.mark.slow
+def test_the_lock_of_a_killed_run_is_taken_over_and_its_checkpoints_resume(tmp_path, caplog):
+    spec = run_spec(tmp_path, "a", max_steps=12, step_sleep=0.3)
+    procs = launch([spec], tmp_path / "a")
+    try:
+        wait_for_progress(spec, 0, 5, procs, timeout=120)
+        os.kill(procs[0].pid, signal.SIGKILL)
+        assert wait(procs, 30) == [-9]
+    finally:
+        kill_all(procs)
+    lock = json.loads((Path(spec["out"]) / LOCK_FILENAME).read_text())
+    assert lock["pid"] == procs[0].pid and lock["host"] == socket.gethostname()
+    trainer = build({**spec, "step_sleep": 0})
+    trainer.train(resume_from_checkpoint="latest")
+    assert f"pid {procs[0].pid}" in caplog.text and "no longer alive" in caplog.text
+    assert trainer.state.global_step == 12
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_every_rank_refuses_when_the_main_process_finds_the_output_dir_in_use(tmp_path):
+    spec = run_spec(tmp_path, "run", max_steps=2)
+    assert acquire_output_dir(spec["out"]) is None  # held by this (live) test process
+    try:
+        codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
+    finally:
+        release_output_dir(spec["out"])
+    assert codes == [1, 1], logs(tmp_path / "run")
+    for rank in (0, 1):
+        result = outcome(spec, rank)
+        assert result["reason_code"] == "output_dir_in_use" and f"pid {os.getpid()}" in result["message"]
+    assert list_checkpoints(spec["out"]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_ranks_launched_without_use_cpu_on_a_cpu_machine_form_one_job_and_one_checkpoint(tmp_path):
+    """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine (torchrun without ``--use_cpu``): the
+    Trainer alone would make each process the main process of its own world-size-1 job, both writing one output_dir
+    (issue 14 item 2). ``launch.resolve_use_cpu`` joins them into one gloo job: both ranks train the same steps and
+    each checkpoint holds both ranks' RNG states."""
+    spec = run_spec(tmp_path, "run", max_steps=4, use_cpu=False)
+    codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
+    assert codes == [0, 0], logs(tmp_path / "run")
+    assert "world_size=2" in (tmp_path / "run" / "rank0.log").read_text()
+    assert [step for step, _ in list_checkpoints(spec["out"])] == [2, 4]
+    for _, checkpoint in list_checkpoints(spec["out"]):
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])
+    assert outcome(spec, 0)["global_step"] == outcome(spec, 1)["global_step"] == 4
+
+
+# ---------------------------------------------------------------------------------------------- stalled / dead rank
+STALL_TIMEOUT = 10
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("fault", "code", "named"),
+    [
+        ({"kind": "stop", "where": "step_end"}, "collective_timeout", "the collective all_reduce"),
+        ({"kind": "stop", "where": "backward"}, "collective_timeout", "the DDP gradient all-reduce in backward"),
+        ({"kind": "die"}, "peer_lost", "another rank died"),
+    ],
+)
+def test_a_stalled_or_dead_rank_ends_the_other_rank_within_ddp_timeout_naming_the_collective(
+    tmp_path, fault, code, named
+):
+    spec = run_spec(tmp_path, "run", max_steps=20, save_steps=100, ddp_timeout=STALL_TIMEOUT)
+    spec["fault"] = {**fault, "step": 3, "rank": 1}
+    procs = launch([spec], tmp_path / "run", world_size=2)
+    try:
+        wait_for_progress(spec, 1, 2, procs, timeout=200)
+        codes = wait(procs[:1], STALL_TIMEOUT + 60)
+        stalled_since = max(float(line.split()[2]) for line in Path(spec["progress"]).read_text().splitlines())
+    finally:
+        kill_all(procs)
+    assert codes[0] not in (None, 0), "rank 0 still waiting " + logs(tmp_path / "run")
+    result = outcome(spec, 0)
+    assert result["reason_code"] == code, result
+    assert named in result["message"] and "rank 0" in result["message"]
+    waited = result["time"] - stalled_since
+    if code == "collective_timeout":
+        assert f"ddp_timeout={STALL_TIMEOUT} s" in result["message"]
+        assert STALL_TIMEOUT * 0.8 <= waited < STALL_TIMEOUT + 30, waited
+    else:
+        assert waited < STALL_TIMEOUT, waited  # a dead peer is noticed at once, not after the timeout
+
+
+# ---------------------------------------------------------------------------------------------- preemption (SIGTERM)
+@pytest.mark.slow
+def test_sigterm_saves_the_current_step_exits_75_and_resume_equals_the_uninterrupted_run(tmp_path):
+    spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4)
+    codes = signal_rank_after(spec, launch([spec], tmp_path / "run"), 0, 2, signal.SIGTERM, timeout=200)
+    assert codes == [PREEMPTED_EXIT_CODE], logs(tmp_path / "run")
+    (step, checkpoint), *_ = list_checkpoints(spec["out"])
+    assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
+    assert not (Path(spec["out"]) / LOCK_FILENAME).exists()
+    resumed = build({**spec, "step_sleep": 0})
+    resumed.train(resume_from_checkpoint="latest")
+    straight = build(run_spec(tmp_path, "straight", max_steps=12, save_steps=100))
+    straight.train()
+    assert_same_parameters(full_parameters(straight.model), full_parameters(resumed.model))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4, ddp_timeout=60)
+    procs = launch([spec], tmp_path / "run", world_size=2)
+    codes = signal_rank_after(spec, procs, 1, 2, signal.SIGTERM, timeout=300)  # only rank 1 is signalled
+    assert codes == [PREEMPTED_EXIT_CODE] * 2, logs(tmp_path / "run")
+    assert outcome(spec, 0)["reason_code"] == outcome(spec, 1)["reason_code"] == "preempted"
+    (step, checkpoint), *_ = list_checkpoints(spec["out"])
+    assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])  # both ranks saved
+    resume = {**spec, "step_sleep": 0, "resume": "auto", "result": spec["result"] + "_resumed"}
+    straight = run_spec(tmp_path, "straight", max_steps=12, save_steps=100)
+    assert run_to_end([resume, straight], tmp_path / "run", world_size=2) == [0, 0], logs(tmp_path / "run")
+    assert_same_parameters(final_state(straight)["params"], final_state(resume)["params"])
+
+
+# ---------------------------------------------------------------------------------------------- train.py
+@pytest.mark.parametrize("value", ["True", "latest"])
+def test_train_script_resumes_from_the_newest_complete_checkpoint(tmp_path, caplog, value):
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    out = tmp_path / "demo"
+    flags = ["--output_dir", str(out), "--eval_size", "0", "--eval_strategy", "no", "--eval_on_start", "false"]
+    flags += ["--save_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--use_cpu", "true"]
+    train.main([*flags, "--max_steps", "4"])
+    (out / "checkpoint-4" / "optimizer.pt").write_bytes(b"")  # checkpoint-4 is now incomplete
+    with caplog.at_level(logging.WARNING):
+        train.main([*flags, "--max_steps", "6", "--resume_from_checkpoint", value])
+    assert f"resuming from {out / 'checkpoint-2'}" in caplog.text
+    history = json.loads((out / "trainer_state.json").read_text())["log_history"]
+    assert [e["step"] for e in history if "loss" in e] == [1, 2, 3, 4, 5, 6]
+    assert read_manifest(out / "checkpoint-6")["step"] == 6 and checkpoint_problem(out / "checkpoint-4") is None

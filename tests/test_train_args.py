@@ -1,0 +1,97 @@
+"""train.py arguments: demo settings only for the demo; a YAML/JSON file means exactly what the same flags mean."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pair_dpo_trainer import ConfigError, PairDPOConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+
+# A real run's options, as flags and as file values (YAML reads 5e-7 as the string "5e-7").
+REAL = {
+    "model_name_or_path": "/models/my-sft",
+    "dataset": "/data/prepared",
+    "learning_rate": "5e-7",
+    "lr_scheduler_type": "cosine",
+    "warmup_steps": 3,
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "beta": 0.05,
+    "max_length": 256,
+    "bf16": False,
+    "report_to": "none",
+    "eval_strategy": "steps",
+    "eval_steps": 7,
+    "use_cpu": True,
+}
+
+
+def _flags(values: dict) -> list[str]:
+    return [token for key, value in values.items() for token in (f"--{key}", str(value))]
+
+
+def _parsed_three_ways(tmp_path: Path, values: dict) -> list[dict]:
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(values))
+    (tmp_path / "run.json").write_text(json.dumps(values))
+    runs = [train.parse_args(_flags(values)), train.parse_args([str(tmp_path / "run.yaml")])]
+    runs.append(train.parse_args([str(tmp_path / "run.json")]))
+    return [{"model": m, "data": d, "args": c.to_dict()} for m, d, c in runs]
+
+
+@pytest.mark.parametrize("kind", ["real", "demo"])
+def test_yaml_json_and_flags_give_identical_training_arguments(tmp_path, kind):
+    values = {**REAL, "output_dir": str(tmp_path / "out")}
+    if kind == "demo":
+        values = {"max_steps": 5, "use_cpu": True, "learning_rate": "2e-3"}
+    flags, from_yaml, from_json = _parsed_three_ways(tmp_path, values)
+    assert flags == from_yaml == from_json
+    assert flags["args"]["learning_rate"] == (5e-7 if kind == "real" else 2e-3)
+
+
+def test_a_real_run_keeps_pair_dpo_config_defaults_not_the_demo_settings(tmp_path):
+    model_args, data_args, config = train.parse_args(
+        ["--model_name_or_path", "/models/my-sft", "--dataset", "/data/prepared", "--use_cpu", "true"]
+    )
+    defaults = PairDPOConfig(output_dir=str(tmp_path), use_cpu=True)
+    for name in train.DEMO_DEFAULTS:
+        if name != "output_dir":
+            assert getattr(config, name) == getattr(defaults, name), name
+    assert config.learning_rate == 1e-6 and config.max_length == 1024 and config.seed == 42
+    assert config.output_dir != train.DEMO_DEFAULTS["output_dir"]
+    assert (model_args.model_name_or_path, data_args.dataset) == ("/models/my-sft", "/data/prepared")
+
+
+def test_the_demo_applies_its_settings_under_the_options_given():
+    model_args, data_args, config = train.parse_args(["--max_steps", "3", "--seed", "7", "--use_cpu", "true"])
+    assert model_args.model_name_or_path == str(train.bundled_model_dir())
+    assert data_args.dataset == str(train.bundled_pairs_path())
+    assert (config.max_steps, config.seed) == (3, 7)  # given options win
+    for name in ("learning_rate", "max_length", "max_prompt_length", "num_train_epochs", "eval_steps"):
+        assert getattr(config, name) == train.DEMO_DEFAULTS[name], name
+
+
+@pytest.mark.parametrize("given", ["--model_name_or_path", "--dataset"])
+def test_only_one_of_model_and_dataset_is_an_error(given):
+    with pytest.raises(ConfigError) as info:
+        train.parse_args([given, "/somewhere", "--use_cpu", "true"])
+    assert info.value.reason_code == "incomplete_arguments"
+    assert "--model_name_or_path" in str(info.value) and "--dataset" in str(info.value)
+
+
+def test_trl_flags_and_yaml_keys_raise_unsupported_option_naming_the_equivalent(tmp_path):
+    with pytest.raises(ConfigError) as flag:
+        train.parse_args(["--rpo-alpha", "0.5", "--use_cpu", "true"])
+    assert flag.value.reason_code == "unsupported_option" and "nll_weight" in str(flag.value)
+    (tmp_path / "trl.yaml").write_text("padding_free: true\nprecompute_ref_logps: true\n")
+    with pytest.raises(ConfigError) as key:
+        train.parse_args([str(tmp_path / "trl.yaml")])
+    assert [text.split(":")[0] for _, text in key.value.problems] == ["padding_free", "precompute_ref_logps"]
