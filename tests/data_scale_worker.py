@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -95,11 +94,10 @@ def run_parallel(out_dir: Path) -> dict:
 def run_bad(out_dir: Path) -> dict:
     rows = generate_demo_pairs(seed=8, n=700)
     rows[400] = {"prompt": "x"}  # chunk 1 (rows 256-511), converted by a worker
-    start = time.monotonic()
     try:
         _trainer(out_dir, rows, None, dataset_num_proc=2)
     except PreferenceRowError as exc:
-        return {"reason_code": exc.reason_code, "message": exc.message, "seconds": time.monotonic() - start}
+        return {"reason_code": exc.reason_code, "message": exc.message}
     return {"reason_code": None}
 
 

@@ -204,6 +204,34 @@ def test_the_trainer_uses_the_configured_cache_and_memory_maps_raw_rows(tmp_path
     assert costs.tolist() == pair_costs([dict(r) for r in trainer.train_dataset])
 
 
+def _losses(tmp_path, tok, train_dataset, **options) -> list[float]:
+    args = cpu_config(
+        tmp_path,
+        ref_model_revision=DEMO_REVISION,
+        max_length=128,
+        max_prompt_length=64,
+        max_steps=3,
+        seed=11,
+        **options,
+    )
+    model = str(bundled_model_dir())  # the tokenizer's vocabulary
+    trainer = PairDPOTrainer(model=model, args=args, train_dataset=train_dataset, processing_class=tok)
+    trainer.train()
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_the_whole_pipeline_is_deterministic_across_runs_and_equals_the_list_path(tmp_path, tok):
+    """Raw rows -> cache (1 or 2 workers, fresh caches) -> memory-mapped pairs -> training: the same losses in every
+    run, and the same as training on the pairs tokenised in this process into Python lists (the path before)."""
+    rows = _rows(600)
+    runs = [_losses(tmp_path / f"run{n}", tok, rows, dataset_num_proc=n, dataset_cache_dir=str(tmp_path / f"c{n}"))
+            for n in (1, 2)]  # fmt: skip
+    lists = tokenize_dataset(rows, tok, **LIMITS, strict=True).features  # list[dict[str, list[int]]]
+    expected = _losses(tmp_path / "lists", tok, lists, dataset_cache_dir=str(tmp_path / "unused"))
+    assert len(expected) == 3 and runs[0] == runs[1] == expected
+    assert not (tmp_path / "unused").exists()  # the list path wrote nothing: an independent computation
+
+
 @pytest.mark.parametrize("value", [0, -2, 1.5, True])
 def test_dataset_num_proc_must_be_a_positive_count(tmp_path, value):
     with pytest.raises(ConfigError) as info:

@@ -74,11 +74,12 @@ def test_with_workers_only_the_local_main_converts(results):
 
 
 def test_a_bad_row_stops_every_rank_with_its_code(results):
+    """The waiting rank raises the local main's error as itself (a hang would run the launch into its timeout)."""
     for rank in (0, 1):
         result = results["bad", rank]
         assert result["reason_code"] == "schema", result
         assert "train dataset row 400:" in result["message"]
-        assert result["seconds"] < 120
+    assert results["bad", 0]["message"] == results["bad", 1]["message"]
 
 
 def test_the_pairs_are_the_same_bytes_in_another_process(results, tmp_path):
