@@ -74,23 +74,42 @@ def _long_texts(count: int, words: int, seed: int) -> list[str]:
     return [" ".join(row) for row in numbers]
 
 
-def iter_rows(rows: int, tokens: int | None, seed: int = 0):
+def iter_rows(rows: int, tokens: int | None, seed: int = 0, label=str):
     """Rows of the demo's shape (``tokens=None``) or three plain strings of ``tokens / 3`` tokens each; every prompt is
-    unique (its row number leads it), the texts come from a pool of 4096 (generation would otherwise dominate)."""
+    unique (``label(row number)`` leads it); the texts come from a pool of 4096 (generation would otherwise
+    dominate)."""
     from pair_dpo_trainer.demo import generate_demo_pairs
 
     if tokens is None:
         pool = generate_demo_pairs(seed=seed, n=4096)
         for i in range(rows):
             row = pool[i % len(pool)]
-            prompt = [{"role": "user", "content": f"{i} {row['prompt'][0]['content']}"}]
+            prompt = [{"role": "user", "content": f"{label(i)} {row['prompt'][0]['content']}"}]
             yield {"prompt": prompt, "chosen": row["chosen"], "rejected": row["rejected"]}
         return
     third = max(1, tokens // 3)
     pool = _long_texts(4096, third, seed)
     for i in range(rows):
         a, b, c = pool[i % 4096], pool[(i * 7 + 1) % 4096], pool[(i * 13 + 2) % 4096]
-        yield {"prompt": f"{i} {a}", "chosen": b, "rejected": c}
+        yield {"prompt": f"{label(i)} {a}", "chosen": b, "rejected": c}
+
+
+_MARK = "@@row@@"
+
+
+def iter_json_lines(rows: int, tokens: int | None, seed: int = 0):
+    """``json.dumps(row) + "\\n"`` for each row of :func:`iter_rows`. Rows of the demo's shape repeat the pool with
+    period 4096 but for the row number, so each pool row is serialised once with a mark where the number goes (digits
+    need no JSON escaping): a million lines in seconds, not a minute (the GPU machine's call is capped)."""
+    if tokens is not None:  # three pool indices per row, no short period: serialise each row
+        for row in iter_rows(rows, tokens, seed):
+            yield json.dumps(row) + "\n"
+        return
+    templates = [json.dumps(r).split(_MARK) for r in iter_rows(min(rows, 4096), None, seed, label=lambda _: _MARK)]
+    assert all(len(parts) == 2 for parts in templates), "the mark occurs in a pool text"
+    for i in range(rows):
+        head, tail = templates[i % len(templates)]
+        yield f"{head}{i}{tail}\n"
 
 
 def make_input(args: argparse.Namespace) -> None:
@@ -111,8 +130,7 @@ def make_input(args: argparse.Namespace) -> None:
             writer.write(pa.RecordBatch.from_pylist(batch, schema=schema))
     else:
         with open(args.out, "w", encoding="utf-8") as f:
-            for row in iter_rows(args.rows, args.tokens, args.seed):
-                f.write(json.dumps(row) + "\n")
+            f.writelines(iter_json_lines(args.rows, args.tokens, args.seed))
     size = Path(args.out).stat().st_size
     print(f"wrote {args.rows} rows, {size / 1e6:.1f} MB, to {args.out} in {time.perf_counter() - start:.1f} s")
 

@@ -460,6 +460,9 @@ def test_the_benchmark_rows_have_the_asked_number_of_tokens(tmp_path, tok):
     features = tokenize_dataset(rows, tok, max_length=1024, max_prompt_length=512, strict=True).features
     tokens = [sum(len(f[c]) for c in FEATURE_COLUMNS) for f in features]
     assert all(300 <= n <= 320 for n in tokens), tokens  # + the template's few tokens and the row number
+    for shape in (None, 30):  # the fast JSON lines are json.dumps of the rows, past the pool's 4096 rows too
+        lines = list(bench_data_scale.iter_json_lines(5000, shape))
+        assert lines == [json.dumps(r) + "\n" for r in bench_data_scale.iter_rows(5000, shape)]
 
 
 # ------------------------------------------------------------------------------------------------ once per node
