@@ -5,10 +5,6 @@ every phase (tests/data_scale_worker.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -17,32 +13,17 @@ from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import build_pairs
 from pair_dpo_trainer.demo import bundled_model_dir, generate_demo_pairs
 from pair_dpo_trainer.node import Node
+from tests.launch import torchrun
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("data_scale")
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "CUDA_VISIBLE_DEVICES": "",
-        "PYTHONPATH": str(ROOT),
-        "HF_DATASETS_CACHE": str(out_dir / "hf_datasets_cache"),  # shared by both ranks, fresh for this launch
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "data_scale_worker.py"), str(out_dir)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    # HF_DATASETS_CACHE: shared by both ranks, fresh for this launch
+    torchrun("data_scale_worker.py", out_dir, port=free_port(), env={"HF_DATASETS_CACHE": str(out_dir / "hf_cache")})
     return {
         (phase, rank): json.loads((out_dir / f"{phase}_rank{rank}.json").read_text())
         for phase in ("once", "parallel", "bad")
