@@ -153,7 +153,7 @@ def _is_bundled(path: str) -> bool:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     default_cuda_allocator()  # expandable_segments:True unless PYTORCH_CUDA_ALLOC_CONF is set (before CUDA starts)
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
-    if _is_bundled(model_args.model_name_or_path) and not config.reference_free and config.ref_model_revision is None:
+    if _is_bundled(model_args.model_name_or_path) and config.uses_reference and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     require_model_directory(
         model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"

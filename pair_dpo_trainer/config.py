@@ -12,7 +12,6 @@ An unsupported combination raises; nothing silently falls back.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 
@@ -21,7 +20,9 @@ from transformers import TrainingArguments
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity.layout import is_pinned_revision
 from pair_dpo_trainer.launch import launch_problem, resolve_bf16, resolve_use_cpu
-from pair_dpo_trainer.loss import LABEL_SMOOTHING_LOSSES, LOSS_FUNCTIONS, LossParams
+from pair_dpo_trainer.losses import OBJECTIVES, LossParams
+from pair_dpo_trainer.losses.base import F_DIVERGENCES
+from pair_dpo_trainer.losses.checks import loss_problems, normalize_loss_fields
 from pair_dpo_trainer.modeling.attention import BACKENDS
 from pair_dpo_trainer.modeling.compile import compile_mode_problem
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_modules_problem
@@ -50,13 +51,64 @@ class PairDPOConfig(TrainingArguments):
     beta: float = field(
         default=0.1, metadata={"help": "DPO temperature beta (> 0): strength of the pull towards the reference."}
     )
-    loss_type: str = field(default="sigmoid", metadata={"help": f"Preference loss, one of {sorted(LOSS_FUNCTIONS)}."})
+    # Issue 16: the preference objectives, under TRL 1.16's names (docs/losses.md). loss_type / label_smoothing /
+    # nll_weight existed before; validation in _loss_problems.
+    loss_type: list[str] | str = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={
+            "help": f"Preference objective(s), any of {sorted(OBJECTIVES)}; several (a list, several flag values, "
+            "or a comma-separated string) are summed with loss_weights, e.g. MPO: sigmoid bco_pair sft."
+        },
+    )
+    loss_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight >= 0 per loss_type entry (e.g. 0.8 0.2 1.0 for MPO). None: all 1.0."},
+    )
     label_smoothing: float = field(
         default=0.0,
-        metadata={"help": "Assumed label-noise rate in [0, 0.5) for loss_type 'sigmoid' (cDPO) or 'robust' (rDPO)."},
+        metadata={
+            "help": "In [0, 0.5): the assumed label-noise rate of 'sigmoid' (cDPO), 'robust' (rDPO), 'aot', "
+            "'aot_unpaired' and 'simpo'; EXO's epsilon for 'exo_pair' (required > 0, the paper uses 1e-3)."
+        },
     )
     nll_weight: float = field(
         default=1.0, metadata={"help": "Weight of the chosen-completion NLL term of loss_type 'sigmoid_nll' (RPO)."}
+    )
+    use_weighting: bool = field(
+        default=False,
+        metadata={"help": "WPO: weight every pair by the policy's length-normalised (aligned) sequence probabilities."},
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "LD-DPO alpha in [0, 1]: weight of the log-probs of the longer completion's tokens beyond the "
+            "length both completions share (policy and reference). None (or 1.0): plain sums."
+        },
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={
+            "help": f"f-DPO divergence, one of {sorted(F_DIVERGENCES)}; a non-default value only for objectives on "
+            "the chosen-rejected reward difference (see docs/losses.md)."
+        },
+    )
+    f_alpha_divergence_coef: float = field(
+        default=0.5, metadata={"help": "Coefficient of f_divergence_type 'alpha_divergence' (TRL's parameterisation)."}
+    )
+    discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP temperature tau (> 0) of 'discopop'."})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin gamma of 'simpo'."})
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes "
+            "ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "TR-DPO mixing weight alpha in (0, 1] of the policy (sync_ref_model)."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "TR-DPO: optimizer steps between reference updates (>= 1, sync_ref_model)."}
     )
     reference_free: bool = field(
         default=False,
@@ -242,6 +294,7 @@ class PairDPOConfig(TrainingArguments):
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        self._normalize_loss_fields()
         if self.max_prompt_length is None and isinstance(self.max_length, int):
             self.max_prompt_length = default_max_prompt_length(self.max_length)
         problems = self._pair_dpo_problems()
@@ -260,41 +313,21 @@ class PairDPOConfig(TrainingArguments):
 
     def _pair_dpo_problems(self) -> list[tuple[str, str]]:
         """Returns ``(reason_code, message)`` for every invalid pair-DPO option."""
-        problems: list[tuple[str, str]] = []
-        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
-            problems.append(("bad_beta", f"beta={self.beta!r}: set a finite value > 0 (typical: 0.1)."))
-        if self.loss_type not in LOSS_FUNCTIONS:
-            problems.append(
-                ("unknown_loss_type", f"loss_type={self.loss_type!r}: use one of {sorted(LOSS_FUNCTIONS)}.")
-            )
-        if not 0.0 <= self.label_smoothing < 0.5:
-            problems.append(
-                ("bad_label_smoothing", f"label_smoothing={self.label_smoothing!r}: set a value in [0, 0.5).")
-            )
-        elif self.label_smoothing > 0 and self.loss_type not in LABEL_SMOOTHING_LOSSES:
-            problems.append(
-                (
-                    "unsupported_combination",
-                    f"label_smoothing > 0 has no meaning for loss_type={self.loss_type!r}: "
-                    f"use one of {sorted(LABEL_SMOOTHING_LOSSES)} or set label_smoothing=0.",
-                )
-            )
-        if not (math.isfinite(self.nll_weight) and self.nll_weight >= 0):
-            problems.append(("bad_nll_weight", f"nll_weight={self.nll_weight!r}: set a finite value >= 0."))
-        if self.reference_free and (self.ref_model_name_or_path or self.ref_model_revision):
+        problems: list[tuple[str, str]] = self._loss_problems()
+        if not self.uses_reference and (self.ref_model_name_or_path or self.ref_model_revision):
             problems.append(
                 (
                     "reference_conflict",
-                    "reference_free=True builds no reference: remove ref_model_name_or_path / "
-                    "ref_model_revision, or set reference_free=False.",
+                    f"{self._no_reference_reason()} builds no reference: remove ref_model_name_or_path / "
+                    "ref_model_revision, or use a loss_type with a reference and reference_free=False.",
                 )
             )
-        if self.reference_free and self.precompute_ref_log_probs:
+        if not self.uses_reference and self.precompute_ref_log_probs:
             problems.append(
                 (
                     "unsupported_combination",
-                    "precompute_ref_log_probs=True has nothing to precompute with reference_free=True (the reference "
-                    "log-probs are 0): set one of them to False.",
+                    f"precompute_ref_log_probs=True has nothing to precompute with {self._no_reference_reason()} (no "
+                    "reference log-probs are used): set precompute_ref_log_probs=False.",
                 )
             )
         if self.ref_model_revision is not None and not is_pinned_revision(self.ref_model_revision):
@@ -419,8 +452,34 @@ class PairDPOConfig(TrainingArguments):
     def loss_params(self) -> LossParams:
         """The loss hyper-parameters as the pure loss functions take them."""
         return LossParams(
-            beta=float(self.beta), label_smoothing=float(self.label_smoothing), nll_weight=float(self.nll_weight)
+            beta=float(self.beta),
+            label_smoothing=float(self.label_smoothing),
+            nll_weight=float(self.nll_weight),
+            f_divergence_type=self.f_divergence_type,
+            f_alpha_divergence_coef=float(self.f_alpha_divergence_coef),
+            discopop_tau=float(self.discopop_tau),
+            simpo_gamma=float(self.simpo_gamma),
         )
+
+    @property
+    def uses_reference(self) -> bool:
+        """False when the run builds no reference: ``reference_free=True`` or only reference-free objectives
+        (``simpo``, ``orpo``, ``sft``)."""
+        return not self.reference_free and any(
+            OBJECTIVES[name].reference if name in OBJECTIVES else True for name in self.loss_type
+        )
+
+    def _no_reference_reason(self) -> str:
+        return "reference_free=True" if self.reference_free else f"loss_type={self.loss_type} (reference-free)"
+
+    # ------------------------------------------------------------------ issue 16: objectives
+    def _normalize_loss_fields(self) -> None:
+        """``loss_type`` / ``loss_weights`` as lists (TRL accepts one string; a comma-separated string is a list)."""
+        self.loss_type, self.loss_weights = normalize_loss_fields(self.loss_type, self.loss_weights)
+
+    def _loss_problems(self) -> list[tuple[str, str]]:
+        """``(reason_code, message)`` for every invalid objective option (``losses.checks``)."""
+        return loss_problems(self)
 
     @property
     def ref_logps_cache_path(self) -> str:

@@ -23,6 +23,7 @@ unsharded weight, once per forward on every rank (``tests/test_fsdp2.py``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -51,28 +52,65 @@ def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
     return (hidden @ weight.t()).to(dtype)
 
 
+TOKEN_STATS = ("mean_logit", "entropy", "is_top1", "log_sum_sq_probs")
+"""Columns of the per-token statistics :func:`chunked_token_logps` returns with ``with_stats=True`` (no gradient):
+the mean logit over the vocabulary (TRL's ``logits/*`` metrics), the entropy of the next-token distribution, 1.0
+where the target is the argmax, and ``log sum_v p_v^2`` (WPO's normalisation)."""
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse [c], stats [c, 4])`` of one ``[c, V]`` chunk, with one ``[c, V]`` temporary besides the logits."""
+    top = logits.max(dim=-1)
+    exp = (logits - top.values[:, None]).exp_()
+    total = exp.sum(dim=-1)
+    lse = top.values + total.log()
+    weighted = torch.bmm(exp[:, None, :], logits[:, :, None]).reshape(-1)  # sum_v e_v z_v without a [c, V] product
+    squares = torch.bmm(exp[:, None, :], exp[:, :, None]).reshape(-1)
+    stats = torch.stack(
+        [
+            logits.mean(dim=-1),
+            lse - weighted / total,
+            (top.indices == targets).to(logits.dtype),
+            squares.log() - 2.0 * total.log(),
+        ],
+        dim=1,
+    )
+    return lse, stats
+
+
 class _ChunkedTokenLogps(torch.autograd.Function):
-    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` chunk by chunk; backward recomputes each chunk."""
+    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` chunk by chunk; backward recomputes each chunk.
+
+    With ``with_stats`` the forward also returns the :data:`TOKEN_STATS` of every row (non-differentiable; an
+    empty ``[0, 4]`` tensor otherwise). Backward is the same either way.
+    """
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int):
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_stats: bool
+    ):
         dtype = _acc_dtype(hidden.dtype)
         total = hidden.shape[0]
         logps = hidden.new_empty(total, dtype=dtype)
         lse = hidden.new_empty(total, dtype=dtype)
+        stats = hidden.new_empty((total if with_stats else 0, len(TOKEN_STATS)), dtype=dtype)
         for start in range(0, total, chunk_size):
             end = min(start + chunk_size, total)
             logits = _chunk_logits(hidden[start:end], weight, dtype)
-            lse[start:end] = torch.logsumexp(logits, dim=-1)
+            if with_stats:
+                lse[start:end], stats[start:end] = _chunk_stats(logits, targets[start:end])
+            else:
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
             logps[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
             del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_size = chunk_size
-        return logps
+        ctx.mark_non_differentiable(stats)
+        return logps, stats
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_logps: torch.Tensor):
+    def backward(ctx: Any, grad_logps: torch.Tensor, _grad_stats: torch.Tensor | None):
         hidden, weight, targets, lse = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         dtype = lse.dtype
@@ -95,29 +133,37 @@ class _ChunkedTokenLogps(torch.autograd.Function):
             del dlogits
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
 def chunked_token_logps(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> torch.Tensor:
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Log-probability of each target token, computed ``chunk_size`` rows at a time.
 
-    No ``[N, V]`` tensor exists in forward or backward; only ``[chunk_size, V]`` temporaries.
+    No ``[N, V]`` tensor exists in forward or backward; only ``[chunk_size, V]`` temporaries (with ``with_stats``,
+    the same number: the statistics reuse the chunk's ``exp(logits - max)``).
 
     Args:
         hidden: ``[N, H]`` final hidden states (any float dtype; cast to ``weight.dtype``).
         weight: ``[V, H]`` output-embedding (LM head) weight.
         targets: ``[N]`` int64 target ids, all in ``[0, V)`` (not checked: no host sync).
         chunk_size: Rows per chunk (need not divide ``N``).
+        with_stats: Also return the per-token :data:`TOKEN_STATS`.
 
     Returns:
-        ``[N]`` log-probs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden``
-        and ``weight``.
+        ``[N]`` log-probs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden`` and ``weight``;
+        with ``with_stats``, ``(logps, stats [N, 4])`` (stats without gradient).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _ChunkedTokenLogps.apply(hidden.to(weight.dtype), weight, targets, int(chunk_size))
+    logps, stats = _ChunkedTokenLogps.apply(hidden.to(weight.dtype), weight, targets, int(chunk_size), with_stats)
+    return (logps, stats) if with_stats else logps
 
 
 def naive_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -135,9 +181,28 @@ def naive_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     return logits.log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
 
 
+def naive_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reference for the ``with_stats`` output of :func:`chunked_token_logps`: full ``[N, V]`` logits.
+
+    Returns:
+        ``[N, 4]`` :data:`TOKEN_STATS`, float32 (float64 for float64 inputs).
+    """
+    logits = F.linear(hidden.to(weight.dtype), weight).to(_acc_dtype(weight.dtype))
+    log_probs = logits.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    top1 = (logits.argmax(dim=-1) == targets).to(logits.dtype)
+    return torch.stack([logits.mean(dim=-1), entropy, top1, (probs**2).sum(dim=-1).log()], dim=1)
+
+
 def module_chunked_token_logps(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int = DEFAULT_CHUNK_SIZE
-) -> torch.Tensor:
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """As :func:`chunked_token_logps`, run as ONE call of the ``head`` module, so that module hooks fire exactly once.
 
     Under DeepSpeed ZeRO-3 the head's pre-forward hook all-gathers its partitioned weight (a collective) and its
@@ -148,8 +213,8 @@ def module_chunked_token_logps(
     each chunk as :func:`chunked_token_logps` does). Shapes and dtypes as :func:`chunked_token_logps`.
     """
 
-    def chunked_forward(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return chunked_token_logps(rows, head.weight, ids, chunk_size)
+    def chunked_forward(rows: torch.Tensor, ids: torch.Tensor) -> Any:
+        return chunked_token_logps(rows, head.weight, ids, chunk_size, with_stats=with_stats)
 
     head.forward = chunked_forward  # an instance attribute shadows the class method for this one call
     try:
@@ -198,8 +263,14 @@ def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def in_forward_token_logps(
-    model: torch.nn.Module, head: torch.nn.Module, batch: PackedPairBatch, targets: torch.Tensor, chunk_size: int
-) -> torch.Tensor:
+    model: torch.nn.Module,
+    head: torch.nn.Module,
+    batch: PackedPairBatch,
+    targets: torch.Tensor,
+    chunk_size: int,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the scored positions, computed inside the model's own (single) call of ``head``.
 
     For FSDP2 modules: outside its unit's forward the head weight is a sharded DTensor; inside it is the all-gathered
@@ -214,18 +285,26 @@ def in_forward_token_logps(
         batch: Packed micro-batch on the model's device.
         targets: ``[P]`` int64 target ids of ``batch.completion_positions``.
         chunk_size: Rows per chunk.
+        with_stats: Also return the per-token :data:`TOKEN_STATS` (the head call then returns one ``[P, 5]`` tensor,
+            log-probs first, so the model's own code sees a single "logits" tensor; only the log-probs carry gradient).
     """
     _check_varlen(model)
 
     def chunked_forward(rows: torch.Tensor) -> torch.Tensor:
-        return chunked_token_logps(rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size)
+        result = chunked_token_logps(
+            rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size, with_stats=with_stats
+        )
+        return torch.cat([result[0][:, None], result[1]], dim=1) if with_stats else result
 
     head.forward = chunked_forward  # an instance attribute shadows the class method for this one forward
     try:
         output = model(**packed_forward_kwargs(batch), logits_to_keep=batch.completion_positions)
     finally:
         del head.forward
-    return output.logits.reshape(-1)
+    if not with_stats:
+        return output.logits.reshape(-1)
+    columns = output.logits.reshape(-1, 1 + len(TOKEN_STATS))
+    return columns[:, 0], columns[:, 1:].detach()
 
 
 def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torch.Tensor:
@@ -254,10 +333,52 @@ def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torc
     return captured[-1]
 
 
+@dataclass(frozen=True)
+class SequenceLogps:
+    """The policy pass of one packed micro-batch, per sequence (``[2n]`` in sequence order: chosen, rejected, ...).
+
+    Attributes:
+        logps: Summed completion-token log-probs, LD-DPO weighted when ``batch.token_weights`` is set.
+        nll_logps: The plain sums (the same tensor as ``logps`` without token weights), for NLL terms.
+        token_stats: ``[2n, 4]`` detached per-sequence sums over the scored tokens of: the mean logit, the entropy,
+            the target-is-argmax indicator and ``log p_t - log sum_v p_v^2`` (WPO); None without statistics.
+    """
+
+    logps: torch.Tensor
+    nll_logps: torch.Tensor
+    token_stats: torch.Tensor | None = None
+
+
+def _scored_token_logps(model: torch.nn.Module, batch: PackedPairBatch, chunk_size: int, with_stats: bool):
+    """``(token_logps [N], stats [N, 4] | None, sequences [N])`` of the batch's scored positions."""
+    head = check_supported_head(model)
+    positions = batch.completion_positions
+    targets = batch.labels.reshape(-1).index_select(0, positions)
+    sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
+    if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
+        result = in_forward_token_logps(model, head, batch, targets, chunk_size, with_stats=with_stats)
+    else:
+        hidden = packed_hidden_states(model, batch)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
+            result = module_chunked_token_logps(head, rows, targets, chunk_size, with_stats=with_stats)
+        else:
+            result = chunked_token_logps(rows, head.weight, targets, chunk_size, with_stats=with_stats)
+    token_logps, stats = result if with_stats else (result, None)
+    return token_logps, stats, sequences
+
+
+def _sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Per-sequence sums of per-token ``values`` (``[N]`` or ``[N, k]``) with ``index_add`` (no host sync)."""
+    sums = values.new_zeros((num_sequences, *values.shape[1:]))
+    return sums.index_add(0, sequences, values)
+
+
 def packed_sequence_logps(
     model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE
 ) -> torch.Tensor:
-    """Per-sequence sums of completion-token log-probs for a packed row.
+    """Per-sequence sums of completion-token log-probs for a packed row (weighted by ``batch.token_weights`` when
+    the trainer set them for LD-DPO, so every reference backend applies the same weighting as the policy).
 
     Args:
         model: Causal LM with ``attn_implementation="pair_varlen"`` (policy or reference; wrappers allowed).
@@ -271,21 +392,65 @@ def packed_sequence_logps(
     Raises:
         ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
     """
-    head = check_supported_head(model)
-    positions = batch.completion_positions
-    targets = batch.labels.reshape(-1).index_select(0, positions)
-    sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
-    if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
-        token_logps = in_forward_token_logps(model, head, batch, targets, chunk_size)
+    token_logps, _, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=False)
+    if batch.token_weights is not None:
+        token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
+    return _sequence_sums(token_logps, sequences, batch.pair_index.shape[0])
+
+
+def packed_policy_logps(
+    model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True
+) -> SequenceLogps:
+    """The policy's per-sequence log-probs and, with ``with_stats``, the per-token statistics summed per sequence
+    (computed inside the chunked head: no ``[T, V]`` tensor, no host sync). Shapes and errors as
+    :func:`packed_sequence_logps`."""
+    token_logps, stats, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats)
+    return sequence_logps_from_tokens(token_logps, stats, sequences, batch)
+
+
+def sequence_logps_from_tokens(
+    token_logps: torch.Tensor, stats: torch.Tensor | None, sequences: torch.Tensor, batch: PackedPairBatch
+) -> SequenceLogps:
+    """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
+    their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order)."""
+    n = batch.pair_index.shape[0]
+    plain = _sequence_sums(token_logps, sequences, n)
+    if batch.token_weights is None:
+        logps = plain
     else:
-        hidden = packed_hidden_states(model, batch)
-        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
-        if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
-            token_logps = module_chunked_token_logps(head, rows, targets, chunk_size)
-        else:
-            token_logps = chunked_token_logps(rows, head.weight, targets, chunk_size)
-    sums = token_logps.new_zeros(batch.pair_index.shape[0])
-    return sums.index_add(0, sequences, token_logps)
+        logps = _sequence_sums(token_logps * batch.token_weights.to(token_logps.dtype), sequences, n)
+    if stats is not None:
+        stats = stats.clone()
+        stats[:, 3] = token_logps.detach() - stats[:, 3]  # WPO: log p_t - log sum_v p_v^2
+        stats = _sequence_sums(stats, sequences, n)
+    return SequenceLogps(logps=logps, nll_logps=plain, token_stats=stats)
+
+
+def length_desensitized_weights(batch: PackedPairBatch, alpha: float) -> torch.Tensor:
+    """LD-DPO per-token weights of the scored positions: 1 for the first ``min(|y_w|, |y_l|)`` tokens of each
+    completion (the length both completions of the pair share), ``alpha`` for the longer completion's tail.
+
+    Liu et al. 2024, "Length Desensitization in Direct Preference Optimization", arXiv:2409.06411, the
+    length-desensitised likelihood of its method section (Sec. 4):
+    ``log pi_hat(y|x) = sum_{t <= l_p} log p_t + alpha * sum_{t > l_p} log p_t`` with ``l_p = min(|y_w|, |y_l|)``.
+    Device ops only (``index_add`` / ``cumsum``): no host sync. Shape ``[N]`` (``batch.completion_positions``),
+    float64 so that ``alpha`` is exact (cast to the log-probs' dtype where it is applied).
+    """
+    sequences = batch.sequence_index.reshape(-1).index_select(0, batch.completion_positions)
+    n = batch.num_sequences
+    ones = torch.ones_like(sequences, dtype=torch.float64)
+    counts = torch.zeros(n + 1, dtype=torch.float64, device=ones.device).index_add_(0, sequences, ones)[:n]
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(sequences.shape[0], device=ones.device, dtype=torch.float64) - starts[sequences]
+    shared = torch.minimum(counts[0::2], counts[1::2]).repeat_interleave(2)
+    return torch.where(rank < shared[sequences], ones, ones * alpha)
+
+
+def with_length_desensitization(batch: PackedPairBatch, alpha: float | None) -> PackedPairBatch:
+    """``batch`` carrying the LD-DPO token weights for ``alpha`` (unchanged for None)."""
+    if alpha is None:
+        return batch
+    return replace(batch, token_weights=length_desensitized_weights(batch, alpha))
 
 
 def padded_sequence_logps(model: torch.nn.Module, batch: PaddedPairBatch) -> torch.Tensor:
@@ -320,13 +485,20 @@ def split_pair_logps(seq_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "IGNORE_INDEX",
+    "TOKEN_STATS",
+    "SequenceLogps",
     "check_supported_head",
     "chunked_token_logps",
     "in_forward_token_logps",
     "module_chunked_token_logps",
+    "length_desensitized_weights",
     "naive_token_logps",
+    "naive_token_stats",
     "packed_hidden_states",
+    "packed_policy_logps",
     "packed_sequence_logps",
     "padded_sequence_logps",
+    "sequence_logps_from_tokens",
     "split_pair_logps",
+    "with_length_desensitization",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 def reference_mode(args: Any, source: Any) -> str:
     """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``), and
     ``replicated (ref_zero_stage=0)`` when asked for."""
-    if args.reference_free:
+    if not args.uses_reference:
         return "reference-free"
     mode = "precomputed" if args.precompute_ref_log_probs else "online"
     revision = getattr(source, "revision", None)
@@ -39,9 +39,30 @@ def run_summary(
     leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
     if fsdp2:
         layout = "replicated (ref_fsdp_shard=False)" if getattr(args, "ref_fsdp_shard", None) is False else "sharded"
-        leaves += " | FSDP2" + ("" if args.reference_free or args.precompute_ref_log_probs else f", reference {layout}")
+        no_model = not args.uses_reference or args.precompute_ref_log_probs
+        leaves += " | FSDP2" + ("" if no_model else f", reference {layout}")
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
         f"{_microbatches(args)}) | attention {attn_backend} | "
-        f"reference {reference_mode(args, source)} | loss {args.loss_type}, beta={args.beta}{leaves}"
+        f"reference {reference_mode(args, source)} | loss {objective_summary(args)}, beta={args.beta}{leaves}"
     )
+
+
+def objective_summary(args: Any) -> str:
+    """``sigmoid``, or a mixture as ``0.8*sigmoid + 0.2*bco_pair + 1*sft``, plus the per-token options in use."""
+    names = list(args.loss_type)
+    weights = args.loss_weights
+    if len(names) == 1 and weights is None:
+        text = names[0]
+    else:
+        factors = weights if weights is not None else [1.0] * len(names)
+        text = " + ".join(f"{w:g}*{name}" for w, name in zip(factors, names, strict=True))
+    options = [
+        ("use_weighting", args.use_weighting),
+        ("ld_alpha", args.ld_alpha),
+        ("sync_ref_model", args.sync_ref_model),
+    ]
+    extra = [f"{key}={value}" for key, value in options if value not in (None, False)]
+    if args.f_divergence_type != "reverse_kl":
+        extra.append(f"f_divergence_type={args.f_divergence_type}")
+    return text + (f" ({', '.join(extra)})" if extra else "")

@@ -25,7 +25,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
-from transformers.trainer_utils import EvalLoopOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
@@ -34,8 +34,9 @@ from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
 from pair_dpo_trainer.distributed import assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import packed_sequence_logps
-from pair_dpo_trainer.loss import LOSS_FUNCTIONS, PairLogps
+from pair_dpo_trainer.logprobs import SequenceLogps, packed_policy_logps, with_length_desensitization
+from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
@@ -127,9 +128,10 @@ class PairDPOTrainer(Trainer):
             fsdp_plugin=self.fsdp_plugin,
         )
         self.run_guard = RunGuard(args)  # output-dir lock, collective timeouts, preemption, atomic checkpoints
-        self._loss_fn = LOSS_FUNCTIONS[args.loss_type]
-        self._loss_params = args.loss_params()
-        self._metrics = {"train": PairMetrics(), "eval": PairMetrics()}
+        self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
+        self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
+        components = self.objective_runtime.objective.names
+        self._metrics = {"train": PairMetrics(components), "eval": PairMetrics(components)}
         self._train_sampler: PairBatchSampler | PairStepSampler | None = None
         self._flop_params: int | None = None
         if args.torch_compile:
@@ -180,6 +182,8 @@ class PairDPOTrainer(Trainer):
         """
         with self.run_guard.session(self, resume_from_checkpoint) as resume_from_checkpoint:
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
+            if resume_from_checkpoint:
+                self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
             self._compile_layers()
             if self.is_world_process_zero():
                 summary = run_summary(
@@ -251,9 +255,21 @@ class PairDPOTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's save, made atomic with the reference identity inside (``runtime/checkpoint.py``)."""
-        write = functools.partial(super()._save_checkpoint, model, trial)
-        self.run_guard.save_checkpoint(self, trial, write, identity=self.reference_identity)
+        """The Trainer's save, made atomic with the reference identity inside (``runtime/checkpoint.py``); the TR-DPO
+        synced reference and the objective's state are written into the staged directory with the Trainer's files.
+        ``num_tokens`` is folded into the state first (it is in ``trainer_state.json``)."""
+        self._metrics["train"].fold_tokens(self.args.device, self.state)
+        identity = self.reference_manager.checkpoint_identity()  # every rank: re-identified after a TR-DPO sync
+        save = functools.partial(super()._save_checkpoint, model, trial)
+
+        def write() -> None:
+            save()
+            if self.args.should_save:  # inside the save, _get_output_dir points at the staging directory
+                folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+                self.reference_manager.write_synced_weights(folder)
+                self.objective_runtime.save(folder)
+
+        self.run_guard.save_checkpoint(self, trial, write, identity=identity)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -312,6 +328,9 @@ class PairDPOTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        batch_samples = self.objective_runtime.attach_step_contexts(  # sft / bco_pair / aot need the step (collective)
+            batch_samples, margins_fn=self._pair_logps_without_grad, pairs_per_rank=self.args.pairs_per_rank_per_step
+        )
         return batch_samples, self._train_sampler.global_pairs_per_step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -327,7 +346,17 @@ class PairDPOTrainer(Trainer):
         return super().training_step(model, inputs, num_items_in_batch)
 
     def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
-        return inputs.to(self.args.device, non_blocking=True)
+        """The batch on the device, with LD-DPO token weights when ``ld_alpha`` is set (device ops, no sync)."""
+        return with_length_desensitization(inputs.to(self.args.device, non_blocking=True), self.args.ld_alpha)
+
+    def _pair_logps_without_grad(self, batch: PackedPairBatch) -> PairLogps:
+        """The per-pair log-probs of a host micro-batch without gradient (AOT's pre-pass over the step)."""
+        inputs = self._prepare_inputs(batch)
+        with torch.no_grad():
+            policy = packed_policy_logps(
+                self.model_wrapped, inputs, chunk_size=self.args.logps_chunk_size, with_stats=False
+            )
+            return pair_logps_from_sequences(policy, self.reference.sequence_logps(inputs), inputs)
 
     def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
@@ -337,19 +366,21 @@ class PairDPOTrainer(Trainer):
         """
         if self._flop_params is None:
             self._flop_params = non_embedding_parameters(self.model)
-        ref_flops = 0 if self.args.reference_free or self.args.precompute_ref_log_probs else 2
-        return (6 + ref_flops) * self._flop_params * inputs.num_tokens
+        ref_flops = 0 if not self.args.uses_reference or self.args.precompute_ref_log_probs else 2
+        prepass_flops = 2 + ref_flops if self.objective_runtime.sorts_step else 0  # AOT's gradient-free pre-pass
+        return (6 + ref_flops + prepass_flops) * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
         """Per-pair DPO losses of one micro-batch, scaled as the module docstring explains."""
         with record_function("pair_dpo::policy_logps"):  # profiler ranges: per-region host time in bench_dpo
-            policy_logps = packed_sequence_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
+            policy = packed_policy_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
         with record_function("pair_dpo::reference_logps"):
             ref_logps = self.reference.sequence_logps(inputs)
         with record_function("pair_dpo::loss"):
-            pair = pair_logps_from_sequences(policy_logps, ref_logps, inputs)
-            losses = self._loss_fn(pair, self._loss_params)
+            pair = pair_logps_from_sequences(policy, ref_logps, inputs)
+            output = self.objective_runtime(pair, inputs, training=model.training)
+            losses = output.losses
             torch._assert_async(
                 torch.isfinite(losses).all(),
                 "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
@@ -357,7 +388,13 @@ class PairDPOTrainer(Trainer):
             )
             mode = "train" if model.training else "eval"
             self._metrics[mode].update(
-                pair, losses, self.args.beta, weights=inputs.pair_weights, num_tokens=inputs.num_tokens
+                pair,
+                losses,
+                self.args.beta,
+                weights=inputs.pair_weights,
+                num_tokens=inputs.num_tokens,
+                components=output.components,
+                token_stats=policy.token_stats,
             )
             if num_items_in_batch is None:
                 loss = losses.mean()
@@ -389,7 +426,7 @@ class PairDPOTrainer(Trainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the pair metrics accumulated since the last training log (reduced over ranks here, only here)."""
         if "loss" in logs and not any(key.startswith("eval_") for key in logs):
-            train_metrics = self._metrics["train"].reduce(self.args.device)
+            train_metrics = self._metrics["train"].reduce(self.args.device, totals=self.state)
             train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
             logs.update(train_metrics)
         super().log(logs, start_time)
@@ -417,16 +454,29 @@ def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model
     return model, policy_source, reference_source
 
 
-def pair_logps_from_sequences(policy_logps: torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch) -> PairLogps:
-    """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`."""
+def pair_logps_from_sequences(
+    policy: SequenceLogps | torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
+) -> PairLogps:
+    """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`.
+
+    ``policy`` is the policy pass (:class:`~pair_dpo_trainer.logprobs.SequenceLogps`: LD-weighted and plain sums,
+    per-token statistics) or a plain ``[2n]`` tensor.
+    """
+    if isinstance(policy, torch.Tensor):
+        policy = SequenceLogps(logps=policy, nll_logps=policy)
     counts = completion_token_counts(batch)
+    logps, stats = policy.logps, policy.token_stats
+    wpo = stats[:, 3] if stats is not None else None
     return PairLogps(
-        policy_chosen_logps=policy_logps[0::2],
-        policy_rejected_logps=policy_logps[1::2],
+        policy_chosen_logps=logps[0::2],
+        policy_rejected_logps=logps[1::2],
         ref_chosen_logps=ref_logps[0::2],
         ref_rejected_logps=ref_logps[1::2],
         chosen_token_counts=counts[0::2],
         rejected_token_counts=counts[1::2],
+        policy_chosen_nll_logps=None if policy.nll_logps is logps else policy.nll_logps[0::2],
+        chosen_wpo_logps=None if wpo is None else wpo[0::2],
+        rejected_wpo_logps=None if wpo is None else wpo[1::2],
     )
 
 

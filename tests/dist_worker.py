@@ -9,6 +9,9 @@ Phases (each writes its result under OUT_DIR for the test process to compare):
       <= BUDGET tokens, a varying count): gradients, losses and parameters as DP=1; DDP all-reduces once per step
       (a counting comm hook); then an eval by the same budget over an odd number of pairs (weight-0 fillers).
   disagree: rank 1 loads one pair fewer; both ranks must raise ScheduleError('ranks_disagree'), not hang.
+  objectives: every objective of :data:`OBJECTIVE_RUNS` (each TRL loss, SimPO, ORPO, mixtures, WPO, LD-DPO,
+      f-divergences, TR-DPO) as dp2_ga1, dp2_ga2 and dp2_budget runs of ``OBJECTIVE_STEPS`` steps against a distinct
+      reference; rank 0 saves one file per layout with every objective's per-step gradients, losses and parameters.
 """
 
 from __future__ import annotations
@@ -31,6 +34,28 @@ NUM_PAIRS = 64
 GLOBAL_PAIRS = 8
 BUDGET = 48  # synthetic pairs cost 11-42 tokens here; the 4 pairs of a rank's step need 2-4 micro-batches of <= 48
 EVAL_PAIRS = 13
+OBJECTIVE_STEPS = 3
+"""Enough for BCO's running mean (steps 2-3 use the previous steps' rewards) and TR-DPO syncs (every step)."""
+OBJECTIVE_TRAINING = {"optim": "sgd", "learning_rate": 2e-2}
+"""Plain SGD for the objective runs: parameters after a step differ exactly as much as the gradients did (Adam's
+first steps are sign-like and turn fp noise in near-zero gradients into visible parameter differences)."""
+
+OBJECTIVE_RUNS: dict[str, dict] = {
+    **{name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "ipo_norm", "nca_pair", "bco_pair")},
+    **{name: {"loss_type": name} for name in ("sppo_hard", "aot_unpaired", "apo_zero", "apo_down")},
+    "aot": {"loss_type": "aot", "pairs": "equal_lengths"},
+    **{name: {"loss_type": name} for name in ("discopop", "sigmoid_norm", "sigmoid_nll", "sft", "simpo", "orpo")},
+    "robust": {"loss_type": "robust", "label_smoothing": 0.1},
+    "exo_pair": {"loss_type": "exo_pair", "label_smoothing": 1e-3},
+    "cdpo": {"loss_type": "sigmoid", "label_smoothing": 0.2},
+    "mpo": {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
+    "wpo": {"loss_type": "sigmoid", "use_weighting": True},
+    "ld_dpo": {"loss_type": "sigmoid", "ld_alpha": 0.3},
+    "f_js": {"loss_type": ["sigmoid", "ipo_norm"], "f_divergence_type": "js_divergence"},
+    "f_alpha": {"loss_type": "hinge", "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
+    "tr_dpo": {"loss_type": "sigmoid", "sync_ref_model": True, "ref_model_sync_steps": 1},
+}
+"""Objective runs of the DP x GA invariance check: name -> PairDPOConfig options."""
 
 
 class AllReduceCounter(TrainerCallback):
@@ -56,21 +81,25 @@ def _counting_allreduce(counter: AllReduceCounter, bucket):
 
 
 class FirstStepGradients(TrainerCallback):
-    """Copies every parameter's gradient just before the first optimizer step (after DDP averaging)."""
+    """Copies every parameter's gradient just before each optimizer step (after DDP averaging): ``grads`` holds the
+    first step's, ``step_grads`` every step's."""
 
     def __init__(self) -> None:
         self.grads: dict[str, torch.Tensor] = {}
+        self.step_grads: list[dict[str, torch.Tensor]] = []
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        self.step_grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         if state.global_step == 0:
-            self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+            self.grads = self.step_grads[0]
 
 
 def build_trainer(
-    out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, eval_pairs=None, **kwargs
+    out_dir: Path, pairs, *, world_size: int, ga: int, max_steps: int, eval_pairs=None, ref_model=None, **kwargs
 ) -> PairDPOTrainer:
     """``ga=None``: a token budget (``BUDGET``) instead of a fixed number of micro-batches."""
     budget = {"max_tokens_per_microbatch": BUDGET} if ga is None else {}
+    options = {"learning_rate": 1e-2, "max_grad_norm": 0.0, **kwargs}
     config = cpu_config(
         out_dir,
         output_dir=str(out_dir),
@@ -78,9 +107,7 @@ def build_trainer(
         per_device_train_batch_size=GLOBAL_PAIRS // (world_size * (ga or 1)),
         gradient_accumulation_steps=ga or 1,
         **budget,
-        learning_rate=1e-2,
-        max_grad_norm=0.0,
-        **kwargs,
+        **options,
     )
     return PairDPOTrainer(
         model=tiny_llama(0),
@@ -88,17 +115,34 @@ def build_trainer(
         train_dataset=pairs,
         eval_dataset=eval_pairs,
         processing_class=tiny_tokenizer(),
+        ref_model=ref_model,
     )
 
 
-def run_layout(out_dir: Path, name: str, *, world_size: int, ga: int | None, **kwargs) -> dict:
-    """Trains 5 steps and returns the first-step gradients, the loss curve, the all-reduces per step under DDP and,
-    with a budget, the micro-batch counts of the steps and the metrics of an eval over ``EVAL_PAIRS`` pairs."""
+def equal_length_pairs(n: int) -> list[dict[str, list[int]]]:
+    """:func:`synthetic_pairs` with both completions of a pair cut to the shorter one's length (EOS kept): sequence
+    log-probs are then not ordered by length, so policy and reference margins sort differently (paired AOT's
+    matching is not the identity)."""
+    rows = []
+    for row in synthetic_pairs(n):
+        length = min(len(row["chosen_input_ids"]), len(row["rejected_input_ids"]))
+        chosen, rejected = row["chosen_input_ids"][: length - 1] + [2], row["rejected_input_ids"][: length - 1] + [2]
+        rows.append({**row, "chosen_input_ids": chosen, "rejected_input_ids": rejected})
+    return rows
+
+
+def run_layout(
+    out_dir: Path, name: str, *, world_size: int, ga: int | None, steps: int = 5, pairs=None, evaluate=True, **kwargs
+) -> dict:
+    """Trains ``steps`` steps and returns the first-step and per-step gradients, the loss curve, the all-reduces per
+    step under DDP and, with a budget, the micro-batch counts of the steps and (``evaluate``) the metrics of an eval
+    over ``EVAL_PAIRS`` pairs."""
     recorder = FirstStepGradients()
-    pairs = synthetic_pairs(NUM_PAIRS)
-    eval_pairs = synthetic_pairs(EVAL_PAIRS, seed=9) if ga is None else None
+    pairs = synthetic_pairs(NUM_PAIRS) if pairs is None else pairs
+    evaluate = evaluate and ga is None
+    eval_pairs = synthetic_pairs(EVAL_PAIRS, seed=9) if evaluate else None
     trainer = build_trainer(
-        out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=5, eval_pairs=eval_pairs, **kwargs
+        out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=steps, eval_pairs=eval_pairs, **kwargs
     )
     trainer.add_callback(recorder)
     counter = AllReduceCounter(trainer)
@@ -107,11 +151,44 @@ def run_layout(out_dir: Path, name: str, *, world_size: int, ga: int | None, **k
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     params = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    result = {"grads": recorder.grads, "losses": losses, "params": params, "allreduces": counter.per_step}
+    result = {"grads": recorder.grads, "step_grads": recorder.step_grads, "losses": losses, "params": params}
+    result["allreduces"] = counter.per_step
     if ga is None:
-        result["microbatch_counts"] = trainer._train_sampler.microbatch_counts()[:5]
+        result["microbatch_counts"] = trainer._train_sampler.microbatch_counts()[:steps]
+    if evaluate:
         result["eval"] = trainer.evaluate()
     return result
+
+
+def objective_options(name: str) -> dict:
+    """The run options of one objective: a reference distinct from the policy (tiny_llama(1)) unless it uses none,
+    so that log-ratios are not 0 at step 0."""
+    from pair_dpo_trainer.losses import REFERENCE_FREE_LOSSES
+
+    options = {**OBJECTIVE_TRAINING, **OBJECTIVE_RUNS[name]}
+    if options.pop("pairs", None) == "equal_lengths":
+        options["pairs"] = equal_length_pairs(NUM_PAIRS)
+    types = options["loss_type"] if isinstance(options["loss_type"], list) else [options["loss_type"]]
+    if not set(types) <= REFERENCE_FREE_LOSSES:
+        options["ref_model"] = tiny_llama(1)
+    return options
+
+
+def run_objectives(out_dir: Path, *, world_size: int, ga: int | None) -> dict[str, dict]:
+    """Every objective of :data:`OBJECTIVE_RUNS` in one layout (``ga=None``: the token budget)."""
+    layout = f"dp{world_size}_{'budget' if ga is None else f'ga{ga}'}"
+    return {
+        name: run_layout(
+            out_dir,
+            f"obj_{name}_{layout}",
+            world_size=world_size,
+            ga=ga,
+            steps=OBJECTIVE_STEPS,
+            evaluate=False,
+            **objective_options(name),
+        )
+        for name in OBJECTIVE_RUNS
+    }
 
 
 def run_disagreement(out_dir: Path, rank: int) -> dict:
@@ -137,6 +214,10 @@ def main() -> None:
         result = run_layout(out_dir, name, world_size=2, ga=ga, **options)
         if dist.get_rank() == 0:
             torch.save(result, out_dir / f"{name}.pt")
+    for layout, ga in (("ga1", 1), ("ga2", 2), ("budget", None)):
+        results = run_objectives(out_dir, world_size=2, ga=ga)
+        if dist.get_rank() == 0:
+            torch.save(results, out_dir / f"objectives_dp2_{layout}.pt")
     rank = dist.get_rank()
     (out_dir / f"disagree_rank{rank}.json").write_text(json.dumps(run_disagreement(out_dir, rank)))
     dist.barrier()

@@ -168,7 +168,7 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
     )
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
-    if spec.get("gpu") and torch.cuda.is_available():  # scripts/gpu/nccl_faults.py: NCCL, one GPU per rank
+    if spec.get("gpu") and torch.cuda.is_available():  # benchmarks/nccl_faults.py: NCCL, one GPU per rank
         options.update(use_cpu=False, attn_backend="sdpa_segments")
     if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: launch.resolve_use_cpu still forms one job
         options["use_cpu"] = spec["use_cpu"]

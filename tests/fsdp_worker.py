@@ -22,7 +22,7 @@ Each phase writes its result under OUT_DIR; the test compares them with single-p
   pinned: policy and reference from a pinned snapshot (verified, identity pinned); a changed snapshot is refused on
       resume (``reference_changed``, the manifest).
   gc: the Trainer's gradient checkpointing (transformers' per-layer checkpointing) under FSDP2.
-  bench: ``scripts/bench_dpo.py --tiny --ref-fsdp-shard false`` (the flag plumbing of scripts/gpu/h200_fsdp2.sh).
+  bench: ``benchmarks.dpo --tiny --ref-fsdp-shard false`` (the flag plumbing of the ``h200-fsdp2`` suite).
 """
 
 from __future__ import annotations
@@ -283,10 +283,9 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
 
 
 def run_bench(out_dir: Path) -> dict[str, Any]:
-    """``scripts/bench_dpo.py --tiny`` under FSDP2 (the GPU script's world-size-1 run, here on 2 CPU ranks) with
+    """``benchmarks.dpo --tiny`` under FSDP2 (the GPU script's world-size-1 run, here on 2 CPU ranks) with
     ``--ref-fsdp-shard false``: the flag reaches the config and the row says what ran."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_dpo
+    from benchmarks import dpo as bench_dpo
 
     results = out_dir / "bench.jsonl"
     row = bench_dpo.main(

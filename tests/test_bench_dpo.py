@@ -1,27 +1,20 @@
-"""CPU smoke test of ``scripts/bench_dpo.py`` (tiny model, fp32, 1 pair, 2 warmup + 1 timed step, ceiling, profile)."""
+"""CPU smoke test of ``benchmarks.dpo`` (tiny model, fp32, 1 pair, 2 warmup + 1 timed step, ceiling, profile) and of
+the TRL side's workload and row (``benchmarks.trl_dpo``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
-import os
-import re
-import shlex
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from benchmarks import cudagraph_probe, profile_summary, report, trl_dpo, workload
 from pair_dpo_trainer.collators import PackedPairCollator
 from tests.dpo_fixtures import install_traceable_varlen
 
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-# The fields of trl_dpo_baseline.py's RESULT row (../shared/bench): ours must carry every one of them.
+# The fields of the former trl_dpo_baseline.py's RESULT row: ours and benchmarks.trl_dpo must carry every one of them.
 TRL_RESULT_FIELDS = (
     "tag rank world attn padding_free_requested padding_free_effective deepspeed bs_pairs steps_timed step_median_s "
     "step_mean_s step_min_s step_max_s real_tokens_per_step padded_tokens_per_step padding_frac real_tok_s_gpu "
@@ -32,11 +25,9 @@ TRL_RESULT_FIELDS = (
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_dpo", SCRIPTS / "bench_dpo.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_dpo"] = module
-    spec.loader.exec_module(module)
-    return module
+    from benchmarks import dpo
+
+    return dpo
 
 
 def _trl_make_dataset_rows(n: int, seed: int, vocab: int = 32000) -> dict[str, list]:
@@ -85,19 +76,37 @@ def test_tiny_cpu_run_prints_result_ceiling_and_profile(bench, tmp_path, monkeyp
     assert "bench::microbatch" in summary and "Top-15 ops" in summary
 
 
-def test_trl_script_runs_unchanged_with_the_model_size_dims(bench, tmp_path, capsys):
-    script = tmp_path / "fake_trl.py"
-    script.write_text(
-        "import sys\n"
-        "from transformers import LlamaConfig\n"
-        "cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, vocab_size=32000)\n"
-        "print('FAKE', cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, sys.argv[1:])\n"
-    )
-    bench.main(["--model-size", "1.5b", "--trl-script", str(script), "--trl-args=--tag trl_1p5b --attn sdpa"])
-    assert "FAKE 2048 5632 24 152064 ['--tag', 'trl_1p5b', '--attn', 'sdpa']" in capsys.readouterr().out
-    import transformers
+def test_trl_side_draws_the_same_pairs_and_builds_the_model_size_dims():
+    """The TRL side (benchmarks.trl_dpo, which replaced running the outside script with a patched LlamaConfig) draws
+    the frozen TRL workload and builds the ``--model-size`` dimensions."""
+    assert workload.trl_rows(50, seed=0) == _trl_make_dataset_rows(50, seed=0)
+    args = trl_dpo.parse_args(["--model-size", "1.5b", "--tag", "trl_1p5b", "--attn", "sdpa"])
+    dims = workload.model_dims(args.model_size)
+    assert (dims["hidden_size"], dims["intermediate_size"], dims["num_hidden_layers"], dims["vocab_size"]) == (
+        2048, 5632, 24, 152064,
+    )  # fmt: skip
+    assert workload.model_dims("254m") == dict(  # the former baseline's LlamaConfig, exactly
+        hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+        vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+    assert trl_dpo.parse_args(["--tiny"]).model_size == "tiny"
 
-    assert isinstance(transformers.LlamaConfig, type)  # restored
+
+def test_trl_row_carries_every_baseline_field():
+    args = trl_dpo.parse_args(["--tag", "t", "--steps", "2", "--warmup", "1"])
+    ctx = {"rank": 0, "world": 1, "cuda": False, "n_params": 100, "n_embed": 10, "train_wall_s": 1.0}
+    ends = [0.0, 2.0, 3.0]  # warmup + steps step ends: the timed steps take 2 s and 1 s
+    log = [(6, 8, (2, 4))] * 3
+    trainer = type("T", (), {"is_deepspeed_enabled": False, "padding_free": False})()
+    row = trl_dpo.result_row(args, ctx, ends, log, trainer)
+    assert all(field in row for field in TRL_RESULT_FIELDS) and row["impl"] == "trl"
+    assert row["step_s"] == [2.0, 1.0] and row["real_tok_s_gpu"] == 4.0 and row["padding_frac"] == 0.25
+
+
+def test_trl_side_without_trl_says_how_to_install_it(monkeypatch, capsys):
+    monkeypatch.setattr(trl_dpo, "trl_available", lambda: False)
+    assert trl_dpo.main(["--tiny", "--tag", "x"]) == trl_dpo.TRL_MISSING
+    assert "pip install 'trl==1.16.0'" in capsys.readouterr().out
 
 
 @pytest.fixture
@@ -168,9 +177,6 @@ class _Event:
 
 
 def test_host_breakdown_regions_backward_other_and_gpu_busy():
-    sys.path.insert(0, str(SCRIPTS))
-    import profile_summary
-
     events = [
         _Event("bench::step", 0, 100),
         _Event("bench::microbatch", 5, 60),
@@ -195,9 +201,6 @@ def test_host_breakdown_regions_backward_other_and_gpu_busy():
 
 
 def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
-    sys.path.insert(0, str(SCRIPTS))
-    import bench_report
-
     rows = [
         {"tag": "z3", "impl": "pair_dpo", "rank": 0, "real_tok_s_gpu": 10.0},
         {"tag": "z3", "impl": "pair_dpo", "rank": 1, "real_tok_s_gpu": 30.0},
@@ -206,13 +209,13 @@ def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
     ]
     path = tmp_path / "r.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    loaded = bench_report.load_rows(str(path), str(tmp_path / "missing.jsonl"))
-    assert bench_report.ratio_line(loaded, "z3", "one").startswith("RATIO z3/one = 0.500 per GPU (20 / 40 tok/s")
-    assert "missing nope" in bench_report.ratio_line(loaded, "z3:pair_dpo_ceiling", "nope")
+    loaded = report.load_rows(str(path), str(tmp_path / "missing.jsonl"))
+    assert report.ratio_line(loaded, "z3", "one").startswith("RATIO z3/one = 0.500 per GPU (20 / 40 tok/s")
+    assert "missing nope" in report.ratio_line(loaded, "z3:pair_dpo_ceiling", "nope")
 
 
 # --------------------------------------------------------------------------------------------- token budget (issue 15)
-TRL_FLAGS = {  # trl_dpo_baseline.py's argparse flags (../shared/bench), frozen
+TRL_FLAGS = {  # the former trl_dpo_baseline.py's argparse flags, frozen: benchmarks.trl_dpo still takes them all
     "--tag", "--attn", "--padding_free", "--bs", "--steps", "--warmup", "--max_length", "--workers", "--results",
     "--tiny", "--seed", "--no_cudnn_sdp",
 }  # fmt: skip
@@ -247,45 +250,17 @@ def test_tiny_cpu_budget_run_counts_microbatches_and_times_the_microbatch_ceilin
     assert ceiling["real_tokens_per_step"] == row["real_tokens_per_step"]  # the same pairs, pad not counted
 
 
-def _dry_run(script: str) -> list[list[str]]:
-    env = {**os.environ, "DRY_RUN": "1"}
-    proc = subprocess.run(["bash", script], cwd=SCRIPTS.parent, env=env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return [shlex.split(line[len("DRY_RUN: ") :]) for line in proc.stdout.splitlines() if line.startswith("DRY_RUN: ")]
-
-
-def test_token_budget_gpu_script_commands_parse(bench):
-    """Every command of scripts/gpu/h200_token_budget.sh parses (bench_dpo, TRL baseline, probe), tags are unique,
-    and every tag its --ratio lines name is produced by a run of the script."""
-    sys.path.insert(0, str(SCRIPTS))
-    import probe_cudagraph_layers
-
-    commands = _dry_run("scripts/gpu/h200_token_budget.sh")
-    assert len(commands) >= 10
-    tags = []
-    for argv in commands:
-        script = next(i for i, word in enumerate(argv) if word.endswith(".py"))
-        name, flags = Path(argv[script]).name, argv[script + 1 :]
-        if name == "bench_dpo.py":
-            args = bench.parse_args(flags)
-            tags.append(args.tag)
-            if args.ceiling:
-                tags.append(f"{args.tag}:pair_dpo_ceiling")
-        elif name == "trl_dpo_baseline.py":
-            assert {f for f in flags if f.startswith("--")} <= TRL_FLAGS
-            tags.append(flags[flags.index("--tag") + 1])
-        else:
-            assert name == "probe_cudagraph_layers.py"
-            probe_cudagraph_layers.parse_args(flags)
-    assert len(tags) == len(set(tags))
-    text = (SCRIPTS / "gpu" / "h200_token_budget.sh").read_text()
-    for num, den in re.findall(r"--ratio ([\w:.-]+) ([\w:.-]+)", text):
-        assert num in tags and den in tags, (num, den)
+def test_trl_side_takes_the_former_baseline_flags():
+    argv = ["--tag", "a", "--attn", "sdpa", "--padding_free", "--bs", "2", "--steps", "3", "--warmup", "1"]
+    argv += ["--max_length", "512", "--workers", "0", "--results", "r.jsonl", "--tiny", "--seed", "1", "--no_cudnn_sdp"]
+    flags = {a for a in argv if a.startswith("--")}
+    assert flags == TRL_FLAGS
+    args = trl_dpo.parse_args(argv)
+    assert (args.bs, args.steps, args.warmup, args.max_length, args.padding_free, args.no_cudnn_sdp) == (
+        2, 3, 1, 512, True, True,
+    )  # fmt: skip
 
 
 def test_probe_rows_have_one_shape():
-    sys.path.insert(0, str(SCRIPTS))
-    import probe_cudagraph_layers
-
-    rows = probe_cudagraph_layers.rows(512, 5, vocab=100)
+    rows = cudagraph_probe.rows(512, 5, vocab=100)
     assert {row.num_tokens for row in rows} == {512} and len({row.num_pairs for row in rows}) > 1

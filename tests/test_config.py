@@ -22,7 +22,7 @@ def _config(tmp_path, **kwargs) -> PairDPOConfig:
 
 def test_defaults_are_valid_and_pair_friendly(tmp_path):
     config = _config(tmp_path)
-    assert config.beta == 0.1 and config.loss_type == "sigmoid" and not config.reference_free
+    assert config.beta == 0.1 and config.loss_type == ["sigmoid"] and not config.reference_free  # TRL: a list
     assert config.remove_unused_columns is False
     assert config.logging_nan_inf_filter is False  # the HF filter syncs the host every micro-batch
     assert config.pairs_per_rank_per_step == config.per_device_train_batch_size * config.gradient_accumulation_steps
@@ -50,6 +50,28 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"zero3_leaf_modules": "Llama Decoder"}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": ""}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": "LlamaDecoderLayer,"}, "bad_zero3_leaf_modules"),
+        # issue 16: objectives
+        ({"loss_type": ["sigmoid", "sigmoid"]}, "duplicate_loss_type"),
+        ({"loss_type": []}, "unknown_loss_type"),
+        ({"loss_weights": [1.0, 2.0]}, "bad_loss_weights"),
+        ({"loss_weights": [-1.0]}, "bad_loss_weights"),
+        ({"loss_weights": [0.0]}, "bad_loss_weights"),
+        ({"loss_weights": ["x"]}, "bad_loss_weights"),
+        ({"loss_type": "exo_pair"}, "bad_label_smoothing"),
+        ({"loss_type": ["sigmoid", "hinge"], "label_smoothing": 0.1}, "unsupported_combination"),
+        ({"ld_alpha": 1.5}, "bad_loss_option"),
+        ({"f_divergence_type": "kl"}, "bad_loss_option"),
+        ({"f_alpha_divergence_coef": math.inf}, "bad_loss_option"),
+        ({"discopop_tau": 0.0}, "bad_loss_option"),
+        ({"simpo_gamma": math.nan}, "bad_loss_option"),
+        ({"ref_model_mixup_alpha": 0.0}, "bad_loss_option"),
+        ({"ref_model_sync_steps": 0}, "bad_loss_option"),
+        ({"f_divergence_type": "forward_kl", "loss_type": "nca_pair"}, "unsupported_combination"),
+        ({"use_weighting": True, "loss_type": "aot"}, "unsupported_combination"),
+        ({"sync_ref_model": True, "loss_type": "simpo"}, "unsupported_combination"),
+        ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "unsupported_combination"),
+        ({"loss_type": "simpo", "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
+        ({"precompute_ref_log_probs": True, "loss_type": ["orpo", "sft"]}, "unsupported_combination"),
         ({"max_tokens_per_microbatch": 0}, "bad_length"),
         ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
         ({"pad_to_budget": True}, "unsupported_combination"),
@@ -84,6 +106,36 @@ def test_ref_zero_stage_accepts_none_0_and_3(tmp_path, stage):
     assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=False).ref_offload_params is False
     if stage != 0:
         assert _config(tmp_path, ref_zero_stage=stage, ref_offload_params=True).ref_offload_params is True
+
+
+def test_loss_type_lists_parse_as_trl_does_from_flags_yaml_and_strings(tmp_path):
+    """TRL 1.16: ``loss_type`` is a list (one string is one objective), ``loss_weights`` a list of floats; flags take
+    several values, YAML a list; a comma-separated string is a list too."""
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(PairDPOConfig)
+    base = ["--output_dir", str(tmp_path), "--use_cpu", "--report_to", "none"]
+    (flags,) = parser.parse_args_into_dataclasses(
+        [*base, "--loss_type", "sigmoid", "bco_pair", "sft", "--loss_weights", "0.8", "0.2", "1.0"]
+    )
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text(
+        f"output_dir: {tmp_path}\nuse_cpu: true\nreport_to: none\nloss_type: [sigmoid, bco_pair, sft]\n"
+        "loss_weights: [0.8, 0.2, 1.0]\n"
+    )
+    (from_yaml,) = parser.parse_yaml_file(str(yaml_file))
+    from_string = _config(tmp_path, loss_type="sigmoid, bco_pair,sft", loss_weights="0.8,0.2,1")
+    for config in (flags, from_yaml, from_string):
+        assert config.loss_type == ["sigmoid", "bco_pair", "sft"]
+        assert config.loss_weights == [0.8, 0.2, 1.0]
+    assert _config(tmp_path, loss_type="ipo").loss_type == ["ipo"]
+
+
+def test_reference_free_objectives_use_no_reference(tmp_path):
+    assert not _config(tmp_path, loss_type=["simpo"]).uses_reference
+    assert not _config(tmp_path, loss_type=["orpo", "sft"]).uses_reference
+    assert _config(tmp_path, loss_type=["sigmoid", "sft"]).uses_reference
+    assert not _config(tmp_path, reference_free=True).uses_reference
 
 
 # ------------------------------------------------------------------ DPO defaults (issue 13 item 3)

@@ -26,6 +26,7 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
+from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.data.cache import PairCache
@@ -34,7 +35,7 @@ from pair_dpo_trainer.data.parallel import CHUNK_ROWS
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.streams import FileStream
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, pair_costs, tokenize_dataset
-from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, generate_demo_pairs
+from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, SnapshotIntegrityError
 from pair_dpo_trainer.integrity import proof as proof_module
 from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
@@ -447,10 +448,7 @@ def test_the_pairs_are_int32_arrow_columns_read_row_by_row(tmp_path, tok):
 
 
 def test_the_benchmark_rows_have_the_asked_number_of_tokens(tmp_path, tok):
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import bench_data_scale
+    from benchmarks import bench_data_scale
 
     out = tmp_path / "rows.jsonl"
     argv = ["--results", str(tmp_path / "r.jsonl"), "make-input", "--rows", "20", "--tokens", "300", "--out", str(out)]

@@ -9,9 +9,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
+from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import build_pairs
-from pair_dpo_trainer.demo import bundled_model_dir, generate_demo_pairs
+from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.node import Node
 from tests.launch import torchrun
 from tests.ports import free_port

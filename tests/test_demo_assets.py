@@ -16,6 +16,7 @@ import torch
 from huggingface_hub._local_folder import read_download_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from benchmarks.tools import demo_assets, demo_pairs
 from pair_dpo_trainer import demo
 
 ASSETS = demo.bundled_assets_dir()
@@ -48,13 +49,15 @@ def rows() -> list[dict]:
 
 
 def test_regeneration_is_byte_identical(tmp_path):
-    demo.write_demo_assets(tmp_path)
+    demo_assets.write_demo_assets(tmp_path)
     fresh, committed = _tree(tmp_path), _tree(ASSETS)
-    hint = "regenerate with scripts/make_demo_assets.py; stage .cache with `git add -f` (its .gitignore is '*')"
+    hint = (
+        "regenerate with python -m benchmarks.tools.demo_assets; stage .cache with `git add -f` (its .gitignore is '*')"
+    )
     assert sorted(fresh) == sorted(committed), hint
     assert [rel for rel in fresh if fresh[rel] != committed[rel]] == [], hint
     # A second in-memory build (fresh model, fresh tokenizer) gives the same bytes again.
-    again = {rel: hashlib.sha256(data).hexdigest() for rel, data in demo.demo_asset_files().items()}
+    again = {rel: hashlib.sha256(data).hexdigest() for rel, data in demo_assets.demo_asset_files().items()}
     assert again == fresh
 
 
@@ -66,7 +69,7 @@ def test_model_and_tokenizer_load_offline(monkeypatch, tokenizer):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(MODEL_DIR).eval()
-    assert tok.chat_template == demo.CHAT_TEMPLATE
+    assert tok.chat_template == demo_assets.CHAT_TEMPLATE
     assert (tok.bos_token, tok.eos_token, tok.pad_token, tok.unk_token) == ("<s>", "</s>", "<pad>", "<unk>")
     assert tok.model_max_length == 512
     assert model.dtype == torch.float32 and model.config.vocab_size == len(tok)
@@ -86,7 +89,7 @@ def test_model_and_tokenizer_load_offline(monkeypatch, tokenizer):
 
 def test_demo_pairs_shape(rows):
     assert len(rows) >= 2000
-    assert rows == demo.generate_demo_pairs(demo.DEMO_SEED, len(rows))
+    assert rows == demo_pairs.generate_demo_pairs(demo.DEMO_SEED, len(rows))
     prompts = [row["prompt"][0]["content"] for row in rows]
     assert len(set(prompts)) == len(prompts)
     lengths = set()
@@ -129,13 +132,13 @@ def test_download_metadata_matches_hf_local_dir_format(tmp_path):
     local = shutil.copytree(MODEL_DIR, tmp_path / "snapshot")
     git_ids = _git_hash_objects([local / name for name in names])
     for name, git_id in zip(names, git_ids, strict=True):
-        os.utime(local / name, (demo.METADATA_TIMESTAMP, demo.METADATA_TIMESTAMP))
+        os.utime(local / name, (demo_assets.METADATA_TIMESTAMP, demo_assets.METADATA_TIMESTAMP))
         raw = (MODEL_DIR / f".cache/huggingface/download/{name}.metadata").read_text(encoding="ascii")
         assert raw.endswith("\n") and len(raw.splitlines()) == 3
         meta = read_download_metadata(local, name)
         assert meta is not None and meta.commit_hash == demo.DEMO_REVISION
-        assert meta.timestamp == demo.METADATA_TIMESTAMP
-        if name in demo.LFS_FILES:
+        assert meta.timestamp == demo_assets.METADATA_TIMESTAMP
+        if name in demo_assets.LFS_FILES:
             assert meta.etag == hashlib.sha256((MODEL_DIR / name).read_bytes()).hexdigest()
         else:
             assert meta.etag == git_id

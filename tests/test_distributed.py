@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.dist_worker import NUM_PAIRS, run_layout
+from tests.dist_worker import NUM_PAIRS, OBJECTIVE_RUNS, run_layout, run_objectives
 from tests.ports import free_port
 
 pytestmark = pytest.mark.distributed
@@ -87,6 +87,34 @@ def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_r
     online = torch.load(two_rank_results / "dp2_ga2.pt")
     precomputed = torch.load(two_rank_results / "dp2_ga2_pre.pt")
     assert precomputed["losses"] == pytest.approx(online["losses"], abs=1e-6)
+
+
+@pytest.fixture(scope="module")
+def objectives_dp1_ga2(tmp_path_factory):
+    return run_objectives(tmp_path_factory.mktemp("obj_dp1"), world_size=1, ga=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("objective", sorted(OBJECTIVE_RUNS))
+def test_every_objective_is_invariant_to_the_dp_ga_layout(two_rank_results, objectives_dp1_ga2, objective):
+    """(DP=1, GA=2), (DP=2, GA=1), (DP=2, GA=2) and (DP=2, token budget: 2-4 micro-batches per step) on the same
+    global batches: the same per-step gradients, loss curve and parameters for every objective (step-level ones
+    included: BCO's running mean, AOT's sort and sft's token mean over the optimizer step, TR-DPO's reference sync)."""
+    reference = objectives_dp1_ga2[objective]
+    assert len(reference["step_grads"]) == 3
+    measured = {}  # printed (pytest -s, or junit system-out): the worst relative gradient difference per layout
+    for layout in ("ga1", "ga2", "budget"):
+        other = torch.load(two_rank_results / f"objectives_dp2_{layout}.pt")[objective]
+        for step, grads in enumerate(reference["step_grads"]):  # every step: the state of previous steps matters
+            scale = max(float(g.abs().max()) for g in grads.values())
+            assert scale > 0
+            worst = max(float((other["step_grads"][step][name] - g).abs().max()) for name, g in grads.items())
+            assert worst / scale < 1e-5, f"{objective} dp2_{layout} step {step + 1}: {worst:.3e} vs scale {scale:.3e}"
+            measured[layout] = max(measured.get(layout, 0.0), worst / scale)
+        assert other["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+        worst = max(float((other["params"][n] - p).abs().max()) for n, p in reference["params"].items())
+        assert worst < 1e-6, f"{objective} dp2_{layout}: parameters differ by {worst:.3e}"
+    print(f"dp_ga_invariance {objective}: " + ", ".join(f"dp2_{k} {v:.2e}" for k, v in measured.items()))
 
 
 def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):

@@ -158,20 +158,31 @@ def _peak_fwd_bwd(fn, hidden: torch.Tensor, weight: torch.Tensor) -> tuple[torch
     base = torch.cuda.memory_allocated()
     start = time.perf_counter()
     out = fn()
-    out.sum().backward()
+    (out[0] if isinstance(out, tuple) else out).sum().backward()  # (logps, stats) with the per-token statistics
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     peak = (torch.cuda.max_memory_allocated() - base) / 2**30
     hidden.grad = weight.grad = None
-    return out.detach(), peak, elapsed
+    return (tuple(o.detach() for o in out) if isinstance(out, tuple) else out.detach()), peak, elapsed
 
 
-def test_chunked_logps_peak_memory_vs_naive() -> None:
-    vocab, hidden_size, tokens, chunk = 152064, 2048, 16384, 4096
+HEAD_SHAPE = {"vocab": 152064, "hidden_size": 2048, "tokens": 16384, "chunk": 4096}
+"""A Qwen2.5-1.5B-sized LM head at a 16k-token micro-batch."""
+
+
+def head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden [N, H], weight [V, H], targets [N])`` of :data:`HEAD_SHAPE`, bf16, deterministic."""
+    vocab, hidden_size, tokens = HEAD_SHAPE["vocab"], HEAD_SHAPE["hidden_size"], HEAD_SHAPE["tokens"]
     gen = torch.Generator(device="cuda").manual_seed(0)
     weight = (torch.randn(vocab, hidden_size, generator=gen, device="cuda") * 0.02).bfloat16().requires_grad_()
     hidden = torch.randn(tokens, hidden_size, generator=gen, device="cuda").bfloat16().requires_grad_()
     targets = torch.randint(0, vocab, (tokens,), generator=gen, device="cuda")
+    return hidden, weight, targets
+
+
+def test_chunked_logps_peak_memory_vs_naive() -> None:
+    vocab, hidden_size, tokens, chunk = HEAD_SHAPE.values()
+    hidden, weight, targets = head_inputs()
 
     runs = {}
     for name, fn in (

@@ -19,11 +19,15 @@ from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import (
     chunked_token_logps,
+    length_desensitized_weights,
     module_chunked_token_logps,
     naive_token_logps,
+    naive_token_stats,
+    packed_policy_logps,
     packed_sequence_logps,
     padded_sequence_logps,
     split_pair_logps,
+    with_length_desensitization,
 )
 from pair_dpo_trainer.modeling import enable_pair_varlen
 from tests.dpo_fixtures import random_features
@@ -176,8 +180,10 @@ def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     out = lp.packed_sequence_logps(model, batch, chunk_size=4)
     out.sum().backward()
+    policy = lp.packed_policy_logps(model, lp.with_length_desensitization(batch, 0.5), chunk_size=4)  # stats + LD
+    policy.logps.sum().backward()
     monkeypatch.undo()
-    assert out.shape == (4,)
+    assert out.shape == (4,) and policy.token_stats.shape == (4, 4)
 
 
 def test_split_pair_logps() -> None:
@@ -224,3 +230,112 @@ def test_wrapped_model_is_unwrapped_and_called() -> None:
     enable_pair_varlen(wrapper)
     got = packed_sequence_logps(wrapper, PackedPairCollator()(features))
     assert wrapper.calls == 1 and (got - ref).abs().max().item() < 1e-4
+
+
+# ---------------------------------------------------------------- per-token statistics and LD-DPO (issue 16, 13.8)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("chunk_size", [1, 7, 64])
+def test_chunked_stats_match_naive_and_leave_the_gradient_unchanged(dtype, tol, chunk_size) -> None:
+    gen = torch.Generator().manual_seed(chunk_size)
+    hidden = torch.randn(20, 16, generator=gen, dtype=dtype, requires_grad=True)
+    weight = torch.randn(37, 16, generator=gen, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 37, (20,), generator=gen)
+    targets[:5] = (hidden[:5].detach() @ weight.detach().t()).argmax(-1)  # some targets are the argmax
+    logps, stats = chunked_token_logps(hidden, weight, targets, chunk_size, with_stats=True)
+    assert stats.shape == (20, 4) and not stats.requires_grad
+    assert (stats - naive_token_stats(hidden, weight, targets)).abs().max() < tol
+    assert stats[:5, 2].tolist() == [1.0] * 5
+    plain = chunked_token_logps(hidden, weight, targets, chunk_size)
+    assert torch.equal(logps, plain)
+    grads = torch.autograd.grad(logps.sum(), (hidden, weight))
+    expected = torch.autograd.grad(naive_token_logps(hidden, weight, targets).sum(), (hidden, weight))
+    assert all((a - b).abs().max() < tol for a, b in zip(grads, expected, strict=True))
+
+
+def test_module_chunked_with_stats_is_one_head_call() -> None:
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 37, bias=False).double()
+    hidden, targets = torch.randn(20, 16, dtype=torch.float64), torch.randint(0, 37, (20,))
+    calls = []
+    head.register_forward_pre_hook(lambda module, args: calls.append(args[0].shape[0]))
+    _, stats = module_chunked_token_logps(head, hidden, targets, 6, with_stats=True)
+    assert calls == [20] and (stats - naive_token_stats(hidden, head.weight, targets)).abs().max() < 1e-10
+
+
+def _ld_weights_from_lengths(features, alpha: float) -> list[float]:
+    """LD-DPO weights in packed order, from the completion lengths alone (plain Python, independent)."""
+    weights = []
+    for feature in features:
+        scored = [len(feature["chosen_input_ids"]), len(feature["rejected_input_ids"])]
+        shared = min(scored)
+        for length in scored:
+            weights += [1.0 if t < shared else alpha for t in range(length)]
+    return weights
+
+
+def test_ld_weights_keep_the_shared_length_and_scale_the_tail() -> None:
+    features = tiny_features(seed=2, n=5)
+    batch = PackedPairCollator()(features)
+    got = length_desensitized_weights(batch, 0.25)
+    assert got.tolist() == _ld_weights_from_lengths(features, 0.25)
+
+
+def test_policy_pass_equals_a_naive_float64_computation_values_stats_and_gradients() -> None:
+    """Packed, chunked, LD-weighted sums and per-token statistics vs full [T, V] float64 logits on padded rows."""
+    model = tiny_model("llama").double()
+    features = tiny_features(seed=9, n=3)
+    alpha = 0.4
+    padded = PaddedPairCollator()(features)
+    upstream = torch.randn(6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    logits = model(input_ids=padded.input_ids, attention_mask=padded.attention_mask, use_cache=False).logits
+    log_probs = logits.log_softmax(-1)
+    mask = padded.completion_mask.bool()
+    targets = padded.labels.clamp(min=0)
+    token_logps = log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    weights = torch.zeros_like(token_logps)
+    weights[mask] = torch.tensor(_ld_weights_from_lengths(features, alpha), dtype=torch.float64)
+    expected_logps = (token_logps * weights).sum(-1)
+    mean_logits = (logits.mean(-1) * mask).sum(-1)
+    entropy = (-(log_probs.exp() * log_probs).sum(-1) * mask).sum(-1)
+    top1 = ((logits.argmax(-1) == targets) & mask).sum(-1).double()
+    wpo = ((token_logps - (log_probs.exp() ** 2).sum(-1).log()) * mask).sum(-1)
+    (expected_logps * upstream).sum().backward()
+    expected_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+
+    enable_pair_varlen(model, "sdpa_segments")
+    batch = with_length_desensitization(PackedPairCollator()(features), alpha)
+    got = packed_policy_logps(model, batch, chunk_size=5)
+    (got.logps * upstream).sum().backward()
+    torch.testing.assert_close(got.logps, expected_logps.detach(), rtol=1e-10, atol=1e-10)
+    plain = (token_logps * mask).sum(-1).detach()
+    torch.testing.assert_close(got.nll_logps.detach(), plain, rtol=1e-10, atol=1e-10)
+    stats = torch.stack([mean_logits, entropy, top1, wpo], dim=1).detach()
+    torch.testing.assert_close(got.token_stats, stats, rtol=1e-9, atol=1e-9)
+    got_grads = _grads(model)
+    for name, grad in expected_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-10, msg=name)
+
+
+def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FSDP2 the chunked head runs inside the model's own head call (one ``[P, 5]`` output: log-probs and
+    statistics); here the same path runs unsharded (``is_fsdp_managed`` forced) against the default path."""
+    import pair_dpo_trainer.logprobs as lp
+
+    batch = lp.with_length_desensitization(PackedPairCollator()(tiny_features(seed=4, n=3)), 0.5)
+    results = []
+    for in_forward in (False, True):
+        model = tiny_model("llama")
+        enable_pair_varlen(model, "sdpa_segments")
+        monkeypatch.setattr(lp, "is_fsdp_managed", lambda _model, forced=in_forward: forced)
+        out = lp.packed_policy_logps(model, batch, chunk_size=5)
+        (out.logps * torch.arange(1.0, 7.0)).sum().backward()
+        results.append((out, _grads(model)))
+        assert model.lm_head.forward.__func__ is type(model.lm_head).forward  # the instance override is gone
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got.logps, want.logps, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got.token_stats, want.token_stats, rtol=1e-5, atol=1e-5)
+    assert not got.token_stats.requires_grad
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -113,7 +113,9 @@ def test_reference_engine_options_are_refused_for_an_adapter_disabled_reference(
     from pair_dpo_trainer.reference.build import build_reference
 
     options = {"ref_zero_stage": None, "ref_offload_params": None, **option}
-    args = SimpleNamespace(reference_free=False, ref_model_name_or_path=None, **options)
+    args = SimpleNamespace(
+        reference_free=False, uses_reference=True, sync_ref_model=False, ref_model_name_or_path=None, **options
+    )
     with pytest.raises(ConfigError) as info:
         build_reference(
             args, _lora(tiny_llama()), source=None, ref_model=None, deepspeed_config={"train_batch_size": 1}

@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
+from benchmarks.tools.demo_assets import download_metadata_files
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, SnapshotIntegrityError
 from pair_dpo_trainer.atomic import atomic_open
-from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path, download_metadata_files
+from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
 from tests.dpo_fixtures import cpu_config
 

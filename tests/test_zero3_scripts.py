@@ -3,15 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+from benchmarks.tools import loss_curves as plot_loss_curves
+from benchmarks.tools import random_model as make_random_model
 from pair_dpo_trainer.integrity import verify_snapshot
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-import make_random_model  # noqa: E402
-import plot_loss_curves  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 TINY = ["--hidden", "32", "--layers", "1", "--intermediate", "64", "--heads", "2"]

@@ -89,6 +89,10 @@ class PackedPairBatch(_TensorDataclass):
         ref_logps: ``[2n]`` float32 precomputed reference log-probs in sequence order (chosen, rejected, ...) when
             the features carry ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precompute_ref_log_probs``), else None.
             Kept float32 on the way to the device (the trainer moves the batch with ``.to(device)`` only).
+        token_weights: ``[N]`` float64 per-scored-token weights of the summed log-probs (LD-DPO, set by the trainer
+            with :func:`pair_dpo_trainer.logprobs.with_length_desensitization`), else None (all 1).
+        step_context: The :class:`~pair_dpo_trainer.losses.StepContext` the trainer attaches before an optimizer
+            step (quantities of the whole step for step-level objectives), else None.
     """
 
     input_ids: torch.Tensor
@@ -104,6 +108,8 @@ class PackedPairBatch(_TensorDataclass):
     completion_positions: torch.Tensor
     pair_weights: torch.Tensor | None = None
     ref_logps: torch.Tensor | None = None
+    token_weights: torch.Tensor | None = None
+    step_context: Any = None
 
     @property
     def num_sequences(self) -> int:
@@ -114,6 +120,10 @@ class PackedPairBatch(_TensorDataclass):
     def num_tokens(self) -> int:
         """Row length ``T`` including any pad segment."""
         return int(self.input_ids.shape[1])
+
+    def with_step_context(self, context: Any) -> PackedPairBatch:
+        """A copy carrying ``context`` (see ``step_context``)."""
+        return replace(self, step_context=context)
 
 
 def pair_sequences(feature: Mapping[str, Sequence[int]], row: int) -> tuple[list[int], list[int], int]:

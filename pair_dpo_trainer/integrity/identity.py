@@ -10,6 +10,8 @@
   ``PROBE_DECIMALS`` decimal places.
 * ``versions`` (torch, transformers, accelerate, deepspeed if installed, pair_dpo_trainer, python) and
   ``device``.
+* ``synced_step``: the optimizer step of the last TR-DPO sync (``sync_ref_model``) when the reference is no longer
+  the snapshot but a mix of it and the policy (digests then cover the synced weights); null otherwise.
 
 ``compare_identity`` tells which of manifest / parameters / probe differ. A changed manifest or parameter
 digest means the reference changed (``reference_changed``, fatal). A changed probe digest alone means
@@ -60,6 +62,7 @@ class ReferenceIdentity:
         probe_digest: ``probe_digest`` of the probe batch log-probs, if computed.
         versions: Library versions (package -> version).
         device: Device name the probe ran on.
+        synced_step: Step of the last TR-DPO sync, or None (the reference is the snapshot itself).
     """
 
     repo_id: str | None = None
@@ -71,6 +74,7 @@ class ReferenceIdentity:
     probe_digest: str | None = None
     versions: dict[str, str] = field(default_factory=dict)
     device: str | None = None
+    synced_step: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """Returns the JSON-ready record (with ``format``)."""
@@ -274,6 +278,7 @@ class IdentityComparison:
         changed_files: Paths added, removed or with another digest.
         not_compared: Digests absent from one side (``"params"``, ``"probe"``).
         version_changes: Package -> ``(expected, actual)`` for differing versions (and ``"device"``).
+        synced_steps: ``(expected, actual)`` TR-DPO sync steps when they differ, else None.
     """
 
     manifest_differs: bool
@@ -282,11 +287,12 @@ class IdentityComparison:
     changed_files: tuple[str, ...] = ()
     not_compared: tuple[str, ...] = ()
     version_changes: dict[str, tuple[str | None, str | None]] = field(default_factory=dict)
+    synced_steps: tuple[int | None, int | None] | None = None
 
     @property
     def reference_changed(self) -> bool:
-        """True when the manifest or the parameters differ (fatal)."""
-        return self.manifest_differs or self.params_differs
+        """True when the manifest, the parameters or the TR-DPO sync state differ (fatal)."""
+        return self.manifest_differs or self.params_differs or self.synced_steps is not None
 
     @property
     def reason_code(self) -> str | None:
@@ -301,6 +307,12 @@ class IdentityComparison:
         if self.manifest_differs:
             shown = ", ".join(self.changed_files[:5]) + (", ..." if len(self.changed_files) > 5 else "")
             parts.append(f"manifest digest differs (files: {shown or 'none listed'})")
+        if self.synced_steps is not None:
+            recorded, current = self.synced_steps
+            parts.append(
+                f"TR-DPO synced reference: recorded at step {recorded}, current {current} (a checkpoint of a "
+                "sync_ref_model=True run resumes only with sync_ref_model=True and its synced weights)"
+            )
         if self.params_differs:
             parts.append("parameter digest differs")
         if self.probe_differs:
@@ -340,6 +352,7 @@ def compare_identity(expected: ReferenceIdentity, actual: ReferenceIdentity) -> 
         changed_files=tuple(changed),
         not_compared=tuple(not_compared),
         version_changes=versions,
+        synced_steps=None if expected.synced_step == actual.synced_step else (expected.synced_step, actual.synced_step),
     )
 
 

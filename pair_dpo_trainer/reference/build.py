@@ -24,7 +24,8 @@ def build_reference(
 ) -> Reference:
     """Returns the reference the trainer runs for ``args`` (a ``PairDPOConfig``).
 
-    Modes: ``reference_free`` -> :class:`NoReference`; otherwise the reference model is ``ref_model`` when given,
+    Modes: ``reference_free`` or only reference-free objectives -> :class:`NoReference`; otherwise the reference
+    model is ``ref_model`` when given,
     else loaded from ``source.directory`` (verified when pinned), else a copy of the in-memory policy; it runs as a
     :class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (its own inference-only engine) when DeepSpeed is
     enabled, as an FSDP2-sharded or replicated :class:`FrozenReference` under FSDP2
@@ -39,13 +40,21 @@ def build_reference(
         deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled.
         fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (``modeling.fsdp2.setup_fsdp2``).
     """
-    if args.reference_free:
+    if not args.uses_reference:  # reference_free=True, or only reference-free objectives (simpo, orpo, sft)
         if ref_model is not None:
-            raise ValueError("reference_free=True builds no reference: do not pass ref_model.")
+            why = "reference_free=True" if args.reference_free else f"loss_type={list(args.loss_type)} (reference-free)"
+            raise ValueError(f"{why} builds no reference: do not pass ref_model.")
         return NoReference()
     from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
 
     if ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy):
+        if args.sync_ref_model:
+            raise ConfigError(
+                "unsupported_combination",
+                "sync_ref_model=True (TR-DPO) mixes the policy into a separate reference, but a PEFT policy's "
+                "reference is the policy itself with its adapters disabled: set ref_model_name_or_path, or "
+                "sync_ref_model=False.",
+            )
         if args.ref_zero_stage is not None or args.ref_offload_params or args.ref_fsdp_shard is not None:
             raise ConfigError(
                 "unsupported_combination",

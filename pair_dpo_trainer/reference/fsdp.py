@@ -51,8 +51,8 @@ def fsdp_reference_problems(args: Any, *, fsdp: bool, peft_reference: bool) -> l
         fsdp: Whether the policy runs under FSDP2.
         peft_reference: Whether the reference is the PEFT policy with its adapters disabled.
     """
-    if args.reference_free and args.ref_fsdp_shard is not None:
-        return [("unsupported_combination", "reference_free=True builds no reference: remove ref_fsdp_shard.")]
+    if not args.uses_reference and args.ref_fsdp_shard is not None:  # reference_free or reference-free objectives
+        return [("unsupported_combination", "this run builds no reference (reference-free): remove ref_fsdp_shard.")]
     if not fsdp:
         if args.ref_fsdp_shard is None:
             return []

@@ -8,6 +8,10 @@ Timeline of a run (:class:`ReferenceManager`):
 - :meth:`ReferenceManager.prepare` (``PairDPOTrainer.train`` before ``Trainer.train``, and ``evaluate``): builds the
   lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,
   and for ``precompute_ref_log_probs`` runs the reference pass (or reads the cache) and frees the reference.
+- TR-DPO (``sync_ref_model``): :meth:`ReferenceManager.sync_with` mixes the policy into the reference at a step
+  boundary; :meth:`ReferenceManager.checkpoint_identity` / :meth:`ReferenceManager.write_synced_weights` record the
+  synced identity and weights in a checkpoint,
+  and a resume loads those weights before the identity check (``reference/sync.py``).
 
 Why there and not in a Trainer hook after ``deepspeed_init``: ``PairDPOTrainer.train`` runs before the Trainer
 restores anything from a checkpoint on every path (without DeepSpeed ``Trainer.train`` loads the policy weights
@@ -20,14 +24,16 @@ the accelerator to itself (no policy engine, no optimizer state yet).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest
+from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
 from pair_dpo_trainer.reference.build import build_reference
 from pair_dpo_trainer.reference.engine import gathered_named_parameters, reference_zero_stage
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
@@ -95,9 +101,16 @@ class ReferenceManager:
                 f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
                 "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
             )
-        if deepspeed_config is not None and not args.reference_free:  # fail now, not when the engine is built
+        if deepspeed_config is not None and args.uses_reference:  # fail now, not when the engine is built
             reference_zero_stage(
                 deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
+            )
+        if args.sync_ref_model and (deepspeed_config is not None or fsdp_plugin is not None):
+            raise ConfigError(
+                "unsupported_combination",
+                "sync_ref_model=True (TR-DPO) mixes whole policy weights into an in-process reference; under DeepSpeed "
+                "the reference is its own engine and under FSDP2 both are sharded: train without DeepSpeed / FSDP2 "
+                "(single process or DDP), or set sync_ref_model=False.",
             )
         self.args = args
         self.source = source
@@ -112,8 +125,9 @@ class ReferenceManager:
         self._identity: ReferenceIdentity | None = None
         self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
         self._key_reference: dict[str, Any] | None = None
+        self._synced_step: int | None = None  # TR-DPO: step of the last sync (None: the reference is the snapshot)
         lazy = deepspeed_config is not None or args.precompute_ref_log_probs
-        if args.reference_free or not lazy:
+        if not args.uses_reference or not lazy:
             self._build()
         if args.precompute_ref_log_probs:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
@@ -158,13 +172,14 @@ class ReferenceManager:
             SnapshotIntegrityError: ``identity_missing`` / ``reference_changed`` (see ``check_resume_identity``),
                 before any pass over the data.
         """
-        if self.args.reference_free:
+        if not self.args.uses_reference:
             return
         if self.args.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
         elif self._backend is None:
             self._build()
         if resume_from_checkpoint and self._checked != resume_from_checkpoint:
+            self._restore_synced(resume_from_checkpoint)
             check_resume_identity(resume_from_checkpoint, self._identity)
             self._checked = resume_from_checkpoint
 
@@ -175,6 +190,63 @@ class ReferenceManager:
         entry = self._logps.get(id(dataset))
         return dataset if entry is None else WithRefLogps(dataset, entry[1])
 
+    # ------------------------------------------------------------------ TR-DPO
+    def sync_with(self, policy: torch.nn.Module, *, step: int) -> None:
+        """TR-DPO at an optimizer-step boundary: ``ref <- alpha * policy + (1 - alpha) * ref`` (every rank)."""
+        from pair_dpo_trainer.reference.sync import mix_into_reference
+
+        mix_into_reference(self._synced_model(), policy, self.args.ref_model_mixup_alpha)
+        self._synced_step = int(step)
+
+    def _synced_model(self) -> torch.nn.Module:
+        model = getattr(self.backend, "model", None)
+        if not isinstance(model, torch.nn.Module):
+            raise ConfigError(
+                "unsupported_combination",
+                f"sync_ref_model=True needs an in-process reference model; this run's reference is "
+                f"{type(self.backend).__name__}: set sync_ref_model=False.",
+            )
+        return model
+
+    def _identify(self) -> None:
+        """(Re)computes the identity of the built reference, recording the TR-DPO sync step."""
+        identity = compute_identity(
+            self.source, self._backend, vocab_size=self._policy.config.vocab_size, device=self.args.device
+        )
+        self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
+
+    def checkpoint_identity(self) -> ReferenceIdentity | None:
+        """The identity a checkpoint records now: after a TR-DPO sync the reference is re-identified (its synced
+        weights' digests and ``synced_step``). Call on every rank (a probe forward)."""
+        if self._identity is not None and self._synced_step is not None:
+            self._identify()
+        return self._identity
+
+    def write_synced_weights(self, checkpoint_dir: str | Path) -> None:
+        """After a TR-DPO sync, writes the synced reference's weights into the (staged) checkpoint; else nothing."""
+        if self._synced_step is None:
+            return
+        from pair_dpo_trainer.reference.sync import save_synced_reference
+
+        save_synced_reference(checkpoint_dir, self._synced_model())
+
+    def _restore_synced(self, checkpoint_dir: str) -> None:
+        """With ``sync_ref_model``, loads a checkpoint's synced reference weights (when it recorded a sync) and
+        re-identifies the reference, so the resume check compares the synced weights, not the snapshot."""
+        if not self.args.sync_ref_model:
+            return
+        try:
+            recorded = read_identity(checkpoint_dir)
+        except FileNotFoundError:
+            return  # check_resume_identity reports identity_missing
+        if recorded.synced_step is None:
+            return
+        from pair_dpo_trainer.reference.sync import load_synced_reference
+
+        load_synced_reference(checkpoint_dir, self._synced_model())
+        self._synced_step = recorded.synced_step
+        self._identify()
+
     # ------------------------------------------------------------------ building
     @staticmethod
     def _check_fsdp(args: Any, policy: torch.nn.Module, ref_model: Any, fsdp_plugin: Any) -> None:
@@ -183,7 +255,7 @@ class ReferenceManager:
         from pair_dpo_trainer.reference.peft import is_peft_model
 
         peft_reference = (
-            not args.reference_free and ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy)
+            args.uses_reference and ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy)
         )
         for problem in fsdp_reference_problems(args, fsdp=fsdp_plugin is not None, peft_reference=peft_reference):
             raise ConfigError(*problem)
@@ -198,12 +270,14 @@ class ReferenceManager:
             deepspeed_config=self._deepspeed_config,
             fsdp_plugin=self._fsdp_plugin,
         )
+        if self.args.sync_ref_model:  # TR-DPO: refuse a reference it cannot mix now, not at the first sync
+            from pair_dpo_trainer.reference.sync import require_mixable
+
+            require_mixable(self._synced_model(), self._policy)
         if self.source is None:
             return
         self.builds += 1
-        self._identity = compute_identity(
-            self.source, self._backend, vocab_size=self._policy.config.vocab_size, device=self.args.device
-        )
+        self._identify()
 
     def _release(self) -> None:
         """Frees the built reference after a precompute pass; from now on batches carry the log-probs."""

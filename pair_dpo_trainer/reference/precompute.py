@@ -11,9 +11,10 @@ Cache: one file per dataset, ``<cache_dir>/ref_logps-<key digest>.pt`` (``torch.
 strings, loaded with ``weights_only=True``), written by the main process to a temporary file in the same directory
 and renamed into place. The key (:func:`cache_key`) is everything the values depend on: the dataset fingerprint
 (SHA-256 of the three token-id columns), the reference (the verified manifest digest, or the parameter digest of
-the starting weights when unpinned), ``max_length`` / ``max_prompt_length``, the compute precision and the package
-version. The file also holds the reference identity, so a run that reuses the cache (a later run, or a resume)
-can write the identity beside its checkpoints and check it on resume without building the reference at all.
+the starting weights when unpinned), ``max_length`` / ``max_prompt_length``, the compute precision, the package
+version and, for LD-DPO, ``ld_alpha`` (the cached sums are LD-weighted like the online reference's). The file also
+holds the reference identity, so a run that reuses the cache (a later run, or a resume) can write the identity
+beside its checkpoints and check it on resume without building the reference at all.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array
 from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.logprobs import with_length_desensitization
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 
 logger = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, prec
     """
     from pair_dpo_trainer import __version__
 
-    return {
+    key = {
         "format": CACHE_FORMAT,
         "dataset": fingerprint,
         "reference": dict(reference),
@@ -145,6 +147,9 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, prec
         "precision": precision,
         "pair_dpo_trainer": __version__,
     }
+    if getattr(args, "ld_alpha", None) is not None:  # LD-DPO weights the reference's sums too (only then in the key)
+        key["ld_alpha"] = float(args.ld_alpha)
+    return key
 
 
 def cache_path(cache_dir: str | os.PathLike[str], key: Mapping[str, Any]) -> Path:
@@ -221,7 +226,8 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
     indices: list[int] = []
     values: list[torch.Tensor] = []
     for keys, batch in zip(sampler, _progress(loader, args, desc), strict=True):
-        logps = reference.sequence_logps(batch.to(args.device)).detach().float()
+        batch = with_length_desensitization(batch.to(args.device), getattr(args, "ld_alpha", None))
+        logps = reference.sequence_logps(batch).detach().float()
         kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
         indices.extend(keys[j][0] for j in kept)
         values.append(logps.view(-1, 2)[kept])

@@ -70,7 +70,7 @@ def resolve_reference_source(
             ``unsupported_combination`` (a ``ref_model`` object cannot be verified against a revision).
         SnapshotIntegrityError: The directory does not verify (reason codes of ``verify_snapshot``).
     """
-    if args.reference_free:
+    if not args.uses_reference:  # reference_free=True, or only reference-free objectives
         return None
     if args.ref_model_revision is None:
         return _unpinned(args, policy_source, ref_model_given)

@@ -1,0 +1,32 @@
+# Everyday commands. `make test` is the README's test command (what .ci/run runs); `make bench SUITE=name` runs one
+# benchmark suite (`make bench-list` shows them; DRY=1 prints the commands only).
+PYTHON ?= python
+SUITE ?= cpu-smoke
+export OMP_NUM_THREADS ?= 1
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: install test lint format typecheck bench bench-list
+
+install:
+	pip install torch==2.13.0 -e ".[test]"
+
+test:
+	$(PYTHON) -m pytest
+
+lint:
+	ruff check .
+	ruff format --check .
+
+format:
+	ruff check --fix .
+	ruff format .
+
+typecheck:
+	$(PYTHON) -m mypy pair_dpo_trainer
+
+bench:
+	$(PYTHON) -m benchmarks.run --suite $(SUITE) $(if $(DRY),--dry-run,)
+
+bench-list:
+	$(PYTHON) -m benchmarks.run --list

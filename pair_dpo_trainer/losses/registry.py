@@ -1,0 +1,73 @@
+"""Every objective by name, with what it needs: the one table the config, the trainer and the docs read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pair_dpo_trainer.losses import aot, pairwise, reference_free
+from pair_dpo_trainer.losses.base import LossFn
+
+
+@dataclass(frozen=True)
+class ObjectiveSpec:
+    """What an objective needs from the run.
+
+    Attributes:
+        fn: The pure per-pair loss.
+        reference: Needs reference log-probs (False: SimPO, ORPO, sft build no reference).
+        label_smoothing: ``"none"`` (a value > 0 is refused: the paper gives it no meaning), ``"optional"``
+            (cDPO / rDPO noise rate) or ``"required"`` (EXO's eps, must be > 0).
+        f_divergence: Built on the chosen-rejected reward difference, so ``f_divergence_type`` applies (TRL's set).
+        sorts_step: Sorts over the optimizer step's pairs (AOT): the trainer runs the gradient-free pre-pass.
+        token_mean: A token mean over the step's chosen tokens (``sft``): the trainer counts them per step.
+        stateful: Reads a running statistic of previous steps (BCO's reward shift).
+        trl: TRL 1.16's ``loss_type`` for the same objective, or None when TRL's DPOTrainer has none.
+    """
+
+    fn: LossFn
+    reference: bool = True
+    label_smoothing: str = "none"
+    f_divergence: bool = False
+    sorts_step: bool = False
+    token_mean: bool = False
+    stateful: bool = False
+    trl: str | None = None
+
+
+OBJECTIVES: dict[str, ObjectiveSpec] = {
+    "sigmoid": ObjectiveSpec(pairwise.sigmoid_loss, label_smoothing="optional", f_divergence=True, trl="sigmoid"),
+    "robust": ObjectiveSpec(pairwise.robust_loss, label_smoothing="optional", f_divergence=True, trl="robust"),
+    "ipo": ObjectiveSpec(pairwise.ipo_loss, f_divergence=True),
+    "ipo_norm": ObjectiveSpec(pairwise.ipo_norm_loss, f_divergence=True, trl="ipo"),
+    "hinge": ObjectiveSpec(pairwise.hinge_loss, f_divergence=True, trl="hinge"),
+    "exo_pair": ObjectiveSpec(pairwise.exo_pair_loss, label_smoothing="required", f_divergence=True, trl="exo_pair"),
+    "nca_pair": ObjectiveSpec(pairwise.nca_pair_loss, trl="nca_pair"),
+    "bco_pair": ObjectiveSpec(pairwise.bco_pair_loss, stateful=True, trl="bco_pair"),
+    "sppo_hard": ObjectiveSpec(pairwise.sppo_hard_loss, trl="sppo_hard"),
+    "aot": ObjectiveSpec(aot.aot_loss, label_smoothing="optional", sorts_step=True, trl="aot"),
+    "aot_unpaired": ObjectiveSpec(
+        aot.aot_unpaired_loss, label_smoothing="optional", sorts_step=True, trl="aot_unpaired"
+    ),
+    "apo_zero": ObjectiveSpec(pairwise.apo_zero_loss, trl="apo_zero"),
+    "apo_down": ObjectiveSpec(pairwise.apo_down_loss, trl="apo_down"),
+    "discopop": ObjectiveSpec(pairwise.discopop_loss, f_divergence=True, trl="discopop"),
+    "sigmoid_norm": ObjectiveSpec(pairwise.sigmoid_norm_loss, f_divergence=True, trl="sigmoid_norm"),
+    "sigmoid_nll": ObjectiveSpec(pairwise.sigmoid_nll_loss, f_divergence=True),
+    "sft": ObjectiveSpec(reference_free.sft_loss, reference=False, f_divergence=True, token_mean=True, trl="sft"),
+    "simpo": ObjectiveSpec(reference_free.simpo_loss, reference=False, label_smoothing="optional"),
+    "orpo": ObjectiveSpec(reference_free.orpo_loss, reference=False),
+}
+"""Objective name -> spec. ``sft`` accepts a non-default ``f_divergence_type`` as TRL does (it has no log-ratio,
+so the choice changes nothing for it)."""
+
+LOSS_FUNCTIONS: dict[str, LossFn] = {name: spec.fn for name, spec in OBJECTIVES.items()}
+"""Objective name -> pure loss ``(logps, params, context=NO_CONTEXT) -> [n]``."""
+
+LABEL_SMOOTHING_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if spec.label_smoothing != "none")
+"""Objectives for which ``label_smoothing`` has a meaning."""
+
+LABEL_FREE_LOSSES = frozenset({"sft"})
+"""Objectives without a preference label, unaffected by ``label_smoothing`` (allowed in a smoothed mixture)."""
+
+REFERENCE_FREE_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if not spec.reference)
+"""Objectives that need no reference model."""

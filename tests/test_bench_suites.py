@@ -1,0 +1,149 @@
+"""The benchmark runner's plumbing on the CPU: every suite's exact commands parse with the tool they start (dry run),
+its tags and ratios fit together, and a small suite runs end to end (rows, table, ratios, skips)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import dpo, plan, run, trl_dpo
+from benchmarks.spec import Run, Suite, ours, ratios, trl
+from benchmarks.suites import SUITES
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTEXT = {"work": "/tmp/w", "out": "/tmp/o"}
+for _suite in SUITES.values():  # what the set-up steps define ({rev}, {model05b}, {zero3_persist}, ...), as a dry run
+    for _step in _suite.setup:
+        run._setup(_step, CONTEXT, dry_run=True)
+
+
+def _train_fields() -> set[str]:
+    sys.path.insert(0, str(ROOT))  # train.py is a script at the repository root, not a package module
+    import train
+
+    return {f.name for cls in train.ARGUMENT_CLASSES for f in dataclasses.fields(cls)}
+
+
+def _split(run_: Run, argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``(launcher argv, module-or-script, its args)`` of a planned command; the launcher must end with its module
+    switch when the target is a module."""
+    is_module, target = plan._target(run_, CONTEXT)
+    assert argv[-len(target) :] == target
+    launcher = argv[: -len(target)]
+    assert launcher[-1] in ("-m", "--module") if is_module else launcher[-1] == sys.executable or launcher[-1].isdigit()
+    return launcher, target[0], target[1:]
+
+
+def _check_command(run_: Run, argv: list[str], train_fields: set[str]) -> None:
+    launcher, target, args = _split(run_, argv)
+    if run_.launcher == "accelerate":
+        config = launcher[launcher.index("--config_file") + 1]
+        assert config.startswith(CONTEXT["work"]) or (ROOT / config).is_file(), config
+    if target == "benchmarks.dpo":
+        assert dpo.parse_args(args).tag == run_.tag
+    elif target == "benchmarks.trl_dpo":
+        assert trl_dpo.parse_args(args).tag == run_.tag
+    elif target == "train.py":
+        flags = {a[2:] for a in args if a.startswith("--")}
+        assert flags <= train_fields, flags - train_fields
+    elif target == "pytest":
+        assert all((ROOT / a).exists() for a in args if a.startswith("tests/"))
+    else:
+        importlib.import_module(target).parse_args(args)
+
+
+@pytest.mark.parametrize("name", sorted(SUITES))
+def test_every_suite_plans_commands_its_tools_accept(name):
+    suite = SUITES[name]
+    assert plan.problems(suite) == []
+    planned = plan.commands(suite, CONTEXT)
+    assert len(planned) == len(suite.runs) >= 1
+    train_fields = _train_fields()
+    for run_, argv in planned:
+        _check_command(run_, argv, train_fields)
+    ports = [a[i + 1] for _, a in planned for i, w in enumerate(a) if w in ("--main_process_port", "--master_port")]
+    assert len(ports) == len(set(ports))
+    assert all(suite.gpus >= r.processes for r in suite.runs) or suite.gpus == 0
+
+
+def test_token_budget_suite_keeps_the_former_scripts_runs():
+    """The former scripts/gpu/h200_token_budget.sh: >= 10 commands, unique tags, every ratio operand produced, the
+    allocator setting on every budget run but the one that measures its absence."""
+    suite = SUITES["h200-token-budget"]
+    planned = plan.commands(suite, CONTEXT)
+    assert len(planned) >= 10 and plan.problems(suite) == []
+    env = {r.tag: a[: a.index(sys.executable)] for r, a in planned}
+    assert env["heavy_b16k_noexp"] == ["env", "-u", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES=0"]
+    assert "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" in env["heavy_b16k"]
+
+
+def test_problems_name_duplicate_tags_and_unproduced_ratio_operands():
+    suite = Suite("x", "x", 0, 10, (ours("a"), ours("a", "--ceiling"), trl("b")), ratios("a/b", "a:pair_dpo_ceiling/c"))
+    assert plan.problems(suite) == ["duplicate tag 'a'", "ratio operand 'c' is produced by no run"]
+    shaped = Suite(
+        "y", "y", 0, 10, (ours("s", "--ceiling-shape", "2x16"),), ratios("s/s_ceiling2x16:pair_dpo_ceiling_shape")
+    )
+    assert plan.problems(shaped) == []
+
+
+def test_cli_dry_run_prints_the_planned_commands_and_runs_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--suite", "h200-smoke", "--dry-run", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line[len("DRY_RUN: ") :] for line in proc.stdout.splitlines() if line.startswith("DRY_RUN: ")]
+    assert len(lines) == len(SUITES["h200-smoke"].runs)
+    assert "-m benchmarks.trl_dpo --tag trl_sdpa" in lines[0] and "-m benchmarks.dpo --tag ours " in lines[1]
+    assert not out.exists()
+    listing = subprocess.run([sys.executable, "-m", "benchmarks.run", "--list"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert all(name in listing.stdout for name in SUITES)
+
+
+def _mini_suite() -> Suite:
+    return Suite(
+        name="mini",
+        summary="one tiny run of ours, one of TRL",
+        gpus=0,
+        deadline_s=300,
+        runs=(
+            ours("ours_tiny", "--tiny", "--bs", "1", "--steps", "1", "--warmup", "1", "--ceiling", timeout_s=240),
+            trl("trl_tiny", "--tiny", "--steps", "1", "--warmup", "1", "--bs", "1", "--workers", "0", timeout_s=240),
+        ),
+        ratios=ratios("ours_tiny/ours_tiny:pair_dpo_ceiling", "ours_tiny/trl_tiny"),
+    )
+
+
+@pytest.mark.slow
+def test_a_suite_runs_end_to_end_rows_table_ratios_and_report(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(run.SUITES, "mini", _mini_suite())
+    assert run.main(["--suite", "mini", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "work")]) == 0
+    out = capsys.readouterr().out
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert [(r["tag"], r["impl"]) for r in rows][:2] == [("ours_tiny", "pair_dpo_ceiling"), ("ours_tiny", "pair_dpo")]
+    assert "rc=0" in out and "| tag | impl |" in out
+    assert "RATIO ours_tiny/ours_tiny:pair_dpo_ceiling = " in out
+    if trl_dpo.trl_available():
+        assert "RATIO ours_tiny/trl_tiny = " in out
+    else:
+        assert "SKIPPED trl_tiny: " in out and "RATIO ours_tiny/trl_tiny: missing trl_tiny" in out
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "| ours_tiny | pair_dpo |" in report and "=== rc=0" in (tmp_path / "out" / "bench.log").read_text()
+
+
+def test_a_past_deadline_skips_every_run_and_still_reports(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(run.SUITES, "mini", _mini_suite())
+    argv = ["--suite", "mini", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w"), "--deadline", "0"]
+    monkeypatch.setattr(run, "trl_available", lambda: True)
+    assert run.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("SKIPPED (deadline)") == 2 and "RATIO ours_tiny/trl_tiny: missing ours_tiny and trl_tiny" in out
+    assert (tmp_path / "out" / "report.md").is_file()
