@@ -33,7 +33,9 @@ from benchmarks.spec import Run, Setup, Suite
 from benchmarks.suites import SUITES
 from benchmarks.trl_dpo import INSTALL_HINT, trl_available
 
-KEY_LINES = ("RATIO", "PROBE", "WARNING", "SKIPPED", "Traceback", "CEILING skipped", "pair_dpo: world_size")
+KEY_LINES = (
+    "RATIO", "SAME_OUTPUTS", "PROBE", "WARNING", "SKIPPED", "Traceback", "CEILING skipped", "pair_dpo: world_size",
+)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -576,6 +576,33 @@ def _objectives() -> Suite:
     )
 
 
+def _data_scale() -> Suite:
+    """Issue 20's prepare-data targets on the GPU machine's 16 cores (CPU work only: no GPU is touched)."""
+
+    def step(tag: str, timeout_s: int, *args: str) -> Run:
+        bench = ("benchmarks.bench_data_scale", "--results", "{out}/data_scale.jsonl")
+        return Run(tag, "module", (*bench, *args), timeout_s=timeout_s, log="data_scale.log")
+
+    prepare = ("prepare", "--repeats", "1", "--tmp", "{work}", "--num-proc")
+    return Suite(
+        name="h200-data-scale",
+        summary="16 CPU cores of the 1x H200 machine: prepare-data with the bundled tokenizer, 1 vs 16 workers on the "
+        "same 50k rows (target >= 10x, same output hashes), then 16 workers on 1M rows (target < 120 s)",
+        gpus=1,
+        deadline_s=235,
+        env=("OMP_NUM_THREADS=1",),
+        runs=(
+            step("input_50k", 20, "make-input", "--rows", "50000", "--out", "{work}/rows_50k.jsonl"),
+            step("input_1m", 40, "make-input", "--rows", "1000000", "--out", "{work}/rows_1m.jsonl"),
+            step("prepare_50k", 80, *prepare, "1", "16", "--input", "{work}/rows_50k.jsonl"),
+            step("prepare_1m", 120, *prepare, "16", "--input", "{work}/rows_1m.jsonl"),
+        ),
+        look_for="data_scale.log: `RATIO best-of-1: 16 workers = N x 1 worker(s) (50000 rows ...)` with N >= 10 and "
+        "`SAME_OUTPUTS True (2 runs)`; the 1M run's RATIO line gives its seconds (target < 120 s); details in "
+        "data_scale.jsonl",
+    )
+
+
 SUITES: dict[str, Suite] = {
     s.name: s
     for s in (
@@ -588,5 +615,6 @@ SUITES: dict[str, Suite] = {
         *_zero3_train(),
         *_launch_and_faults(),
         _objectives(),
+        _data_scale(),
     )
 }

@@ -219,6 +219,23 @@ class PairDPOConfig(TrainingArguments):
             "comma-separated class names (not with PEFT)."
         },
     )
+    # issue 20 (data at scale): tokenised once per node, on every core, into a memory-mapped cache
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={
+            "help": "Worker processes that tokenise (or truncate) the datasets, on each node's local main process "
+            "while the node's other ranks wait and then memory-map the result (TRL's name). None: the usable cores "
+            "(os.sched_getaffinity), at most 32. The tokenised pairs are identical for any value."
+        },
+    )
+    dataset_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the tokenised-pairs cache (Arrow files keyed by the rows, the tokenizer and the "
+            "limits, reused by later runs; safe to delete when no run uses it). None: "
+            "$HF_DATASETS_CACHE/pair_dpo_trainer/pairs."
+        },
+    )
     # issue 17: FSDP2 reference layout.
     ref_fsdp_shard: bool | None = field(
         default=None,
@@ -321,6 +338,7 @@ class PairDPOConfig(TrainingArguments):
         problems.extend(self._length_problems())
         problems.extend(self._compile_problems())
         problems.extend(self._budget_problems())
+        problems.extend(self._data_scale_problems())
         if self.attn_backend not in ATTN_BACKENDS:
             problems.append(
                 ("bad_attn_backend", f"attn_backend={self.attn_backend!r}: use one of {list(ATTN_BACKENDS)}.")
@@ -398,6 +416,14 @@ class PairDPOConfig(TrainingArguments):
                 )
             ]
         return []
+
+    def _data_scale_problems(self) -> list[tuple[str, str]]:
+        """``dataset_num_proc``: None or a positive worker count."""
+        num_proc = self.dataset_num_proc
+        if num_proc is None or (isinstance(num_proc, int) and not isinstance(num_proc, bool) and num_proc >= 1):
+            return []
+        message = f"dataset_num_proc={num_proc!r}: set a worker count >= 1, or None (all usable cores)."
+        return [("bad_num_proc", message)]
 
     def _length_problems(self) -> list[tuple[str, str]]:
         problems: list[tuple[str, str]] = []

@@ -32,8 +32,6 @@ TRL_CONFIG_EQUIVALENTS: dict[str, str] = {
     "router_aux_loss_coef": "none: the Mixture-of-Experts auxiliary loss is not added to the DPO loss",
     "disable_dropout": "set the model's dropout rates to 0 in its config before passing it (the reference always "
     "runs in eval mode; pair DPO does not change the policy's dropout)",
-    "dataset_num_proc": "tokenise once with `pair-dpo prepare-data` and pass the prepared directory (train.py "
-    "--dataset DIR)",
     "max_completion_length": "max_length bounds prompt + completion and max_prompt_length the prompt, so a "
     "completion keeps at most max_length - len(prompt) tokens",
     "truncation_mode": "none needed: the prompt always keeps its end (max_prompt_length) and each completion its "

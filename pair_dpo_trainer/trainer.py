@@ -31,7 +31,7 @@ from pair_dpo_trainer.accumulation import run_step
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator, split_pairs
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
-from pair_dpo_trainer.data.dataset import as_pair_dataset
+from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
 from pair_dpo_trainer.distributed import assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import SequenceLogps, packed_policy_logps, with_length_desensitization
@@ -180,8 +180,9 @@ class PairDPOTrainer(Trainer):
             max_length=args.max_length,
             max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-            progress=not args.disable_tqdm and args.process_index == 0,
+            progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
             desc=desc,
+            **data_scale_options(args),
         )
 
     # ------------------------------------------------------------------ reference
@@ -331,10 +332,10 @@ class PairDPOTrainer(Trainer):
         )
 
     @staticmethod
-    def _costs(dataset: Any) -> list[int]:
-        from pair_dpo_trainer.data.tokenize import pair_costs
+    def _costs(dataset: Any) -> Any:
+        from pair_dpo_trainer.data.tokenize import pair_cost_array
 
-        return pair_costs(dataset)
+        return pair_cost_array(dataset)  # [N] int64 from the Arrow lengths: no Python int per pair
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The GA micro-batches of one step and ``N``, the global pair count of the step (from the schedule)."""

@@ -13,6 +13,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def accelerate_launch(config: Path, worker: str, out: Path, *, env: dict[str, str] | None = None, timeout: int = 600):
     """Runs ``accelerate launch --config_file config tests/<worker> out`` from the repository root (CPU only, one
     thread per process, this checkout on ``PYTHONPATH``) and asserts exit code 0, showing the output's tail if not."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    return _launch(cmd, worker, out, env=env, timeout=timeout)
+
+
+def torchrun(worker: str, out: Path, *, port: int, env: dict[str, str] | None = None, timeout: int = 600):
+    """The same with ``torchrun --nproc_per_node 2 --master_port port`` (no accelerate config)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
+    return _launch(cmd, worker, out, env=env, timeout=timeout)
+
+
+def _launch(cmd: list[str], worker: str, out: Path, *, env: dict[str, str] | None, timeout: int):
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -20,7 +31,6 @@ def accelerate_launch(config: Path, worker: str, out: Path, *, env: dict[str, st
         "PYTHONPATH": str(ROOT),
         **(env or {}),
     }
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     proc = subprocess.run(
         [*cmd, str(ROOT / "tests" / worker), str(out)],
         env=full_env,

@@ -16,7 +16,7 @@ from pair_dpo_trainer.data.prepare import Candidate, select_split
 from pair_dpo_trainer.data.tokenize import tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
 
-OUTPUTS = ["eval.jsonl", "manifest.json", "train.jsonl"]
+OUTPUTS = ["eval.arrow", "eval.jsonl", "manifest.json", "train.arrow", "train.jsonl"]
 
 
 @pytest.fixture(scope="session")
@@ -101,7 +101,7 @@ def test_outputs_manifest_and_disjoint_prompts(tmp_path, tokenizer_dir, demo_row
     assert manifest["tokenizer"]["name"] == "tiny-llama"
     assert manifest["tokenizer"]["tokenizer_json_sha256"] == _sha(bundled_model_dir() / "tokenizer.json")
     assert manifest["package"]["version"]
-    for name in ("train.jsonl", "eval.jsonl"):
+    for name in ("train.jsonl", "eval.jsonl", "train.arrow", "eval.arrow"):
         assert manifest["outputs"][name]["sha256"] == _sha(out / name)
     assert str(tmp_path) not in (out / "manifest.json").read_text()
     assert "accepted 75" in capsys.readouterr().out

@@ -4,11 +4,7 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -18,9 +14,8 @@ from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import bundled_model_dir
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.launch import torchrun
 from tests.ports import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bar(text: str, desc: str, total: int) -> bool:
@@ -80,17 +75,7 @@ def test_prepare_data_shows_a_bar_per_input(tmp_path, capsys, flag):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_bars_show_on_rank_0_only(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / "progress_worker.py"), str(tmp_path)],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun("progress_worker.py", tmp_path, port=free_port(), timeout=300)
     rank0, rank1 = ((tmp_path / f"stderr.{r}").read_text() for r in (0, 1))
     assert _bar(rank0, "train dataset: ", 16) and _bar(rank0, "eval dataset: ", 16)
     assert _bar(rank0, "", 2)  # evaluate(): 16 pairs over 2 ranks, 4 per micro-batch: 2 micro-batches per rank

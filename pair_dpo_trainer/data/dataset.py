@@ -4,16 +4,31 @@ Every input path gets the same length limits and the same truncation rule
 (:func:`~pair_dpo_trainer.data.tokenize.truncate_pair`): raw rows are tokenised and truncated, pre-tokenised rows are
 truncated, and a ``prepare-data`` split (:class:`~pair_dpo_trainer.data.prepared.PreparedSplit`) is first checked
 against the run's tokenizer and limits, then truncated. The number of truncated pairs is logged once per dataset.
+
+What the trainer then holds is Arrow, memory-mapped (issue 20): raw rows and pre-tokenised ``datasets.Dataset`` rows
+are converted once per node, on ``dataset_num_proc`` workers, into the tokenised-pairs cache
+(:mod:`pair_dpo_trainer.data.pairs`); a split prepared with the run's own limits is its ``<split>.arrow``.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from pair_dpo_trainer.data.arrow import is_arrow_dataset
+from pair_dpo_trainer.data.cache import PairCache
+from pair_dpo_trainer.data.pairs import build_pairs
+from pair_dpo_trainer.data.parallel import resolve_num_proc
 from pair_dpo_trainer.data.prepared import PreparedSplit
-from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, TokenizationResult, tokenize_dataset, truncate_dataset
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
+from pair_dpo_trainer.errors import PreferenceRowError
+from pair_dpo_trainer.node import Node
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -35,12 +50,17 @@ def as_pair_dataset(
     max_tokens_per_microbatch: int | None,
     progress: bool = False,
     desc: str = "dataset",
+    num_proc: int = 1,
+    cache_dir: str | None = None,
+    node: Node | None = None,
 ) -> Any:
     """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``.
 
-    Rows are converted strictly: the first malformed (or, once truncated, invalid) row raises its
-    ``PreferenceRowError`` naming the row by its 0-based index (the trainer fails closed; use ``pair-dpo
-    prepare-data`` to drop and count bad rows instead).
+    Strict: the first malformed (or, once truncated, invalid) row raises its ``PreferenceRowError`` naming it by its
+    0-based index (``pair-dpo prepare-data`` drops and counts bad rows instead). Raw rows and pre-tokenised
+    ``datasets.Dataset`` rows are converted once per node by ``num_proc`` workers into the cache and memory-mapped
+    (:mod:`pair_dpo_trainer.data.pairs`); a split prepared with the run's limits is memory-mapped as it is; a Python
+    list of pre-tokenised rows is truncated in this process.
 
     Args:
         dataset: Preference rows in any supported shape, tokenised pairs, a :class:`PreparedSplit`, or a dict of
@@ -48,15 +68,19 @@ def as_pair_dataset(
         tokenizer: The run's tokenizer.
         max_length / max_prompt_length / max_tokens_per_microbatch: See
             :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
-        progress: Show a progress bar on stderr while tokenising raw rows.
+        progress: Show a progress bar (rows/s) on stderr while converting.
         desc: Name of the dataset in messages, the log line and the progress bar.
+        num_proc: Worker processes that convert rows (on the node's local main process).
+        cache_dir: Root of the tokenised-pairs cache (None: :func:`~pair_dpo_trainer.data.cache.default_cache_dir`).
+        node: This process's node (None: a single process).
 
     Returns:
-        A sequence of feature dicts; pre-tokenised input that needed no truncation is returned as it is.
+        A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows); pre-tokenised
+        input that needed no truncation is returned as it is.
 
     Raises:
         ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` for a prepared split that does not fit
-            the run (see :mod:`pair_dpo_trainer.data.prepared`).
+            the run (see :mod:`pair_dpo_trainer.data.prepared`); ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
     limits: dict[str, Any] = {
@@ -64,34 +88,94 @@ def as_pair_dataset(
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
     }
+    options: dict[str, Any] = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "node": node}
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         return {
-            name: as_pair_dataset(part, tokenizer, **limits, progress=progress, desc=f"{desc} {name!r}")
+            name: as_pair_dataset(part, tokenizer, **limits, **options, desc=f"{desc} {name!r}")
             for name, part in dataset.items()
         }
+    return _one_dataset(dataset, tokenizer, limits, desc, **options)
+
+
+def _one_dataset(
+    dataset: Any,
+    tokenizer: Any,
+    limits: Mapping[str, Any],
+    desc: str,
+    *,
+    progress: bool,
+    num_proc: int,
+    cache_dir: str | None,
+    node: Node | None,
+) -> Any:
+    """:func:`as_pair_dataset` of one dataset."""
     if isinstance(dataset, PreparedSplit):
-        dataset.check(tokenizer, max_length=max_length, max_prompt_length=max_prompt_length)
+        dataset.check(tokenizer, max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"])
+        if dataset.prepared_with(max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"]):
+            check_budget(dataset.rows, limits, desc)  # the rows are within these limits already: nothing to cut
+            _log_truncation(desc, 0, len(dataset.rows), limits)
+            return dataset.rows
         dataset = dataset.rows
-    if is_tokenized(dataset):
+    if is_tokenized(dataset) and not is_arrow_dataset(dataset):
         result = truncate_dataset(dataset, **limits, strict=True, desc=desc)
-        features = dataset if result.num_truncated == 0 else result.features
-    else:
-        result = tokenize_dataset(dataset, tokenizer, **limits, strict=True, progress=progress, desc=desc)
-        features = result.features
-    _log_truncation(result, desc, max_length, max_prompt_length)
-    return features
+        _log_truncation(desc, result.num_truncated, result.num_accepted, limits)
+        return dataset if result.num_truncated == 0 else result.features
+    built = build_pairs(
+        dataset,
+        tokenizer,
+        limits,
+        tokenized=is_tokenized(dataset),
+        desc=desc,
+        num_proc=num_proc,
+        cache=PairCache(cache_dir),
+        node=node or Node(),
+        progress=progress,
+    )
+    _log_truncation(desc, built.num_truncated, built.num_rows, limits)
+    return built.dataset
 
 
-def _log_truncation(result: TokenizationResult, desc: str, max_length: int, max_prompt_length: int) -> None:
-    if result.num_truncated:
+def data_scale_options(args: PairDPOConfig) -> dict[str, Any]:
+    """The conversion options of a ``PairDPOConfig`` for :func:`as_pair_dataset`: ``num_proc`` (``dataset_num_proc``,
+    default the usable cores), ``cache_dir`` (``dataset_cache_dir``) and the process's ``node``."""
+    return {
+        "num_proc": resolve_num_proc(args.dataset_num_proc),
+        "cache_dir": args.dataset_cache_dir,
+        "node": Node.from_args(args),
+    }
+
+
+def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
+    """Raises the ``pair_too_long`` error of the first pair of ``rows`` that costs more than the micro-batch budget.
+
+    The costs come from the Arrow lengths (:func:`~pair_dpo_trainer.data.tokenize.pair_cost_array`); the error is the
+    one :func:`~pair_dpo_trainer.data.tokenize.truncate_pair` raises for that row, named by its index.
+    """
+    budget = limits.get("max_tokens_per_microbatch")
+    if budget is None:
+        return
+    over = np.flatnonzero(pair_cost_array(rows) > budget)
+    if over.size == 0:
+        return
+    index = int(over[0])
+    row = rows[index]
+    try:
+        truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
+    except PreferenceRowError as exc:
+        raise PreferenceRowError(exc.reason_code, f"{desc} row {index}: {exc.message}") from exc
+    raise AssertionError(f"{desc} row {index} costs more than {budget} tokens but truncate_pair accepted it")
+
+
+def _log_truncation(desc: str, num_truncated: int, num_pairs: int, limits: Mapping[str, Any]) -> None:
+    if num_truncated:
         logger.warning(
             "%s: truncated %d of %d pairs to max_length=%d / max_prompt_length=%d (prompts keep their end, "
             "completions their start; a cut completion has no EOS).",
             desc,
-            result.num_truncated,
-            result.num_accepted,
-            max_length,
-            max_prompt_length,
+            num_truncated,
+            num_pairs,
+            limits["max_length"],
+            limits["max_prompt_length"],
         )
     else:
-        logger.info("%s: %d pairs, none truncated.", desc, result.num_accepted)
+        logger.info("%s: %d pairs, none truncated.", desc, num_pairs)

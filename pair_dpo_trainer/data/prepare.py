@@ -2,75 +2,53 @@
 
 ``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``
 
-Every row of every input (jsonl / json / parquet) is normalised and tokenised; rejected rows are counted
-per reason code. N train and M eval pairs are then chosen deterministically from the seed, assigning whole
-prompt groups (pairs with the same :func:`~pair_dpo_trainer.data.normalize.prompt_hash`) to one split, so
-no prompt is shared between train and eval. DIR receives ``train.jsonl``, ``eval.jsonl`` (sorted-key JSON
-lines holding the normalised messages, the token id columns, the prompt hash and the source row) and
-``manifest.json`` (with the tokenizer's fingerprint and the length limits, which the trainer checks: see
-:mod:`pair_dpo_trainer.data.prepared`); the same inputs and arguments always give byte-identical files. Rows are
-numbered from 1 in every message and in ``source_row``. Everything is written
-into a temporary sibling of DIR and renamed into place, so a failure leaves no partial DIR. Errors print
-one message on stderr and return exit code 2.
+Every row of every input (jsonl / json / parquet) is normalised and tokenised by ``--num-proc`` worker processes
+(default: the usable cores, at most 32), the inputs read in chunks (JSON lines line by line, parquet batch by batch:
+memory does not grow with the input, see :mod:`pair_dpo_trainer.data.prepare_rows`); rejected rows are counted per
+reason code. N train and M eval pairs are then chosen deterministically from the seed, assigning whole prompt groups
+(pairs with the same :func:`~pair_dpo_trainer.data.normalize.prompt_hash`) to one split, so no prompt is shared
+between train and eval. DIR receives, per split, ``<split>.jsonl`` (sorted-key JSON lines holding the normalised
+messages, the token id columns, the prompt hash and the source row) and ``<split>.arrow`` (the same rows as an Arrow
+stream file, which the trainer memory-maps), in input order, and ``manifest.json`` (with the tokenizer's fingerprint
+and the length limits, which the trainer checks: see :mod:`pair_dpo_trainer.data.prepared`); the same inputs and
+arguments always give byte-identical files, whatever the number of workers. Rows are numbered from 1 in every
+message and in ``source_row``. Everything is written into a temporary sibling of DIR and renamed into place, so a
+failure leaves no partial DIR. Errors print one message on stderr and return exit code 2; with ``--strict`` the
+first problem in input order (a bad row, or a line that is not JSON) is the one reported.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import secrets
 import shutil
 import sys
-import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
-from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
+from pair_dpo_trainer.data.parallel import MAX_NUM_PROC, resolve_num_proc
+from pair_dpo_trainer.data.prepare_rows import Candidate, ReadResult, read_inputs, write_splits
 from pair_dpo_trainer.data.prepared import MANIFEST_FORMAT
-from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, load_rows, sha256_file
+from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, sha256_file
 from pair_dpo_trainer.data.splits import split_by_prompt
 from pair_dpo_trainer.errors import PairDPOError
 
-OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "manifest.json")
+OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "train.arrow", "eval.arrow", "manifest.json")
+CANDIDATES = ".candidates.arrow"  # inside the staging directory only
+
+__all__ = ["Candidate", "OUTPUT_FILES", "Split", "UsageError", "add_arguments", "run", "select_split"]
 
 
 class UsageError(Exception):
     """A problem with the arguments or inputs of ``prepare-data``: reported on stderr with exit code 2."""
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One accepted row: where it came from (``row``: 1-based row number in its file), its pair and token ids."""
-
-    source: str
-    row: int
-    pair: PreferencePair
-    features: dict[str, list[int]]
-    prompt_hash: str
-
-    def to_json_row(self) -> dict[str, Any]:
-        """The output row: messages, token ids, prompt hash and source."""
-        return {
-            **self.pair.as_row(),
-            **self.features,
-            "prompt_hash": self.prompt_hash,
-            "source": self.source,
-            "source_row": self.row,
-        }
-
-
-@dataclass(frozen=True)
-class InputSummary:
-    """One input file as recorded in the manifest."""
-
-    name: str
-    sha256: str
-    rows: int
 
 
 @dataclass(frozen=True)
@@ -82,22 +60,11 @@ class LoadedTokenizer:
 
 
 @dataclass(frozen=True)
-class ReadResult:
-    """Every accepted row of every input, the inputs and the rejections."""
-
-    candidates: list[Candidate]
-    inputs: list[InputSummary]
-    rejections: Counter[str]
-    examples: dict[str, str]
-    first_rejection: str | None = None
-
-
-@dataclass(frozen=True)
 class Split:
     """The selected train and eval rows."""
 
-    train: list[Candidate]
-    eval: list[Candidate]
+    train: list[Any]
+    eval: list[Any]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -137,6 +104,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
     parser.add_argument(
+        "--num-proc",
+        type=int,
+        default=None,
+        metavar="W",
+        help=f"Worker processes that tokenise (default: the usable cores, at most {MAX_NUM_PROC}); the outputs are "
+        "byte-identical for any W.",
+    )
+    parser.add_argument(
         "--disable-tqdm", action="store_true", help="Show no progress bar (default: one per input file, on stderr)."
     )
     parser.add_argument(
@@ -152,22 +127,28 @@ def run(args: argparse.Namespace) -> int:
         _check_args(args)
         output = _check_output(Path(args.output), overwrite=args.overwrite)
         loaded = _load_tokenizer(args.tokenizer)
-        read = _read_all(args, loaded.tokenizer)
-        split = select_split(read.candidates, train_size=args.train_size, eval_size=args.eval_size, seed=args.seed)
-        if len(split.train) < args.train_size or len(split.eval) < args.eval_size:
-            raise UsageError(_shortfall_message(args, read))
-        _write_atomically(output, split, _manifest(args, read, loaded.info, split))
+        with _staged(output) as tmp:
+            read = _read_all(args, loaded.tokenizer, tmp / CANDIDATES)
+            split = _select(read, args)
+            outputs = write_splits(tmp, read, {"train": split.train, "eval": split.eval})
+            (tmp / CANDIDATES).unlink()
+            text = json.dumps(
+                {**_manifest(args, read, loaded.info, split), "outputs": outputs}, indent=2, sort_keys=True
+            )
+            (tmp / "manifest.json").write_bytes((text + "\n").encode("utf-8"))
     except (UsageError, InputError, PairDPOError) as exc:
         print(f"pair-dpo prepare-data: error: {exc}", file=sys.stderr)
         return 2
-    total = sum(i.rows for i in read.inputs)
+    tally = read.tally
     print(
-        f"read {total} rows from {len(read.inputs)} input(s); accepted {len(read.candidates)}; "
-        f"rejected {sum(read.rejections.values())}{_counts(read.rejections)}"
+        f"read {tally.num_rows} rows from {len(read.inputs)} input(s); accepted {tally.num_accepted}; "
+        f"rejected {sum(tally.rejections.values())}{_counts(tally.rejections)}"
     )
-    for code in sorted(read.examples):
-        print(f"  e.g. [{code}] {read.examples[code]}")
+    for code in sorted(tally.examples):
+        print(f"  e.g. [{code}] {tally.examples[code]}")
     print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
+    if not args.disable_tqdm:
+        print(f"tokenised {tally.rate()} on {read.workers} worker(s)", file=sys.stderr)
     return 0
 
 
@@ -199,6 +180,8 @@ def _check_args(args: argparse.Namespace) -> None:
         )
     if args.max_tokens_per_microbatch is not None and args.max_tokens_per_microbatch < 1:
         raise UsageError(f"--max-tokens-per-microbatch={args.max_tokens_per_microbatch}: must be >= 1.")
+    if args.num_proc is not None and args.num_proc < 1:
+        raise UsageError(f"--num-proc={args.num_proc}: must be >= 1.")
     for path in args.inputs:
         if input_format(path) is None:
             raise UsageError(f"{path}: unsupported input format; use {', '.join(sorted(FORMATS))} files.")
@@ -247,39 +230,41 @@ def _load_tokenizer(path: str) -> LoadedTokenizer:
     return LoadedTokenizer(tokenizer=tokenizer, info=info)
 
 
-def _read_all(args: argparse.Namespace, tokenizer: Any) -> ReadResult:
-    from pair_dpo_trainer.data.tokenize import tokenize_dataset
+def _read_all(args: argparse.Namespace, tokenizer: Any, candidates: Path) -> ReadResult:
+    limits = {
+        "max_length": args.max_length,
+        "max_prompt_length": args.max_prompt_length,
+        "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+    }
+    return read_inputs(
+        list(args.inputs),
+        tokenizer,
+        limits,
+        candidates,
+        strict=args.strict,
+        num_proc=resolve_num_proc(args.num_proc),
+        progress=None if args.disable_tqdm else _progress_bar,
+    )
 
-    candidates: list[Candidate] = []
-    inputs: list[InputSummary] = []
-    rejections: Counter[str] = Counter()
-    examples: dict[str, str] = {}
-    first_rejection: str | None = None
-    with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
-        for path in args.inputs:
-            name = os.path.basename(path)
-            rows = load_rows(path, cache_dir)
-            inputs.append(InputSummary(name=name, sha256=sha256_file(Path(path)), rows=len(rows)))
-            result = tokenize_dataset(
-                rows,
-                tokenizer,
-                max_length=args.max_length,
-                max_prompt_length=args.max_prompt_length,
-                max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-                strict=args.strict,
-                keep_pairs=True,
-                progress=not args.disable_tqdm,
-                desc=name,
-                first_row=1,
-            )
-            rejections.update(result.rejections)
-            for code, message in result.examples.items():
-                examples.setdefault(code, message)
-            first_rejection = first_rejection or result.first_rejection
-            for index, pair, features in zip(result.row_indices, result.pairs or [], result.features, strict=True):
-                candidates.append(Candidate(name, index + 1, pair, features, prompt_hash(pair)))
-            del rows
-    return ReadResult(candidates, inputs, rejections, examples, first_rejection)
+
+def _progress_bar(name: str, total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=name, unit="row", file=sys.stderr)
+
+
+def _select(read: ReadResult, args: argparse.Namespace) -> Split:
+    """The split of the candidates (indices into them), or the shortfall as a ``UsageError``."""
+    train, eval_ = split_by_prompt(
+        range(len(read.hashes)),
+        read.hashes.__getitem__,
+        train_size=args.train_size,
+        eval_size=args.eval_size,
+        seed=args.seed,
+    )
+    if len(train) < args.train_size or len(eval_) < args.eval_size:
+        raise UsageError(_shortfall_message(args, read))
+    return Split(train=sorted(train), eval=sorted(eval_))
 
 
 def _counts(counter: Counter[str]) -> str:
@@ -290,15 +275,15 @@ def _counts(counter: Counter[str]) -> str:
 
 def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
     need = args.train_size + args.eval_size
-    valid = len(read.candidates)
+    valid, tally = len(read.hashes), read.tally
     if valid < need:
-        rejected = sum(read.rejections.values())
-        hint = f" First rejection: {read.first_rejection}" if read.first_rejection else ""
+        rejected = sum(tally.rejections.values())
+        hint = f" First rejection: {tally.first_rejection}" if tally.first_rejection else ""
         return (
-            f"only {valid} valid pairs ({rejected} rows rejected{_counts(read.rejections)}), but "
+            f"only {valid} valid pairs ({rejected} rows rejected{_counts(tally.rejections)}), but "
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
         )
-    prompts = len({c.prompt_hash for c in read.candidates})
+    prompts = len(set(read.hashes))
     return (
         f"{valid} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
         f"{args.train_size} train + {args.eval_size} eval pairs without a prompt in both splits; "
@@ -314,8 +299,8 @@ def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[s
         "package": {"name": "pair_dpo_trainer", "version": __version__},
         "inputs": [{"name": i.name, "sha256": i.sha256, "rows": i.rows} for i in read.inputs],
         "rows_read": sum(i.rows for i in read.inputs),
-        "accepted": len(read.candidates),
-        "rejections": {code: read.rejections[code] for code in sorted(read.rejections)},
+        "accepted": read.tally.num_accepted,
+        "rejections": {code: read.tally.rejections[code] for code in sorted(read.tally.rejections)},
         "seed": args.seed,
         "train_size": args.train_size,
         "eval_size": args.eval_size,
@@ -324,14 +309,15 @@ def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[s
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "tokenizer": tokenizer_info,
         "splits": {
-            name: {"pairs": len(rows), "prompts": len({c.prompt_hash for c in rows})}
+            name: {"pairs": len(rows), "prompts": len({read.hashes[i] for i in rows})}
             for name, rows in (("train", split.train), ("eval", split.eval))
         },
     }
 
 
-def _write_atomically(output: Path, split: Split, manifest: dict[str, Any]) -> None:
-    """Writes the splits and manifest into a fresh sibling directory of ``output``, then renames it."""
+@contextlib.contextmanager
+def _staged(output: Path) -> Iterator[Path]:
+    """A fresh sibling directory of ``output``, renamed to ``output`` when the block succeeds, removed when not."""
     parent = output.absolute().parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
@@ -340,11 +326,7 @@ def _write_atomically(output: Path, split: Split, manifest: dict[str, Any]) -> N
     except OSError as exc:
         raise UsageError(f"--output {output}: cannot create a directory next to it ({exc}).") from exc
     try:
-        outputs = {}
-        for name, rows in (("train.jsonl", split.train), ("eval.jsonl", split.eval)):
-            outputs[name] = {"rows": len(rows), "sha256": _write_jsonl(tmp / name, rows)}
-        text = json.dumps({**manifest, "outputs": outputs}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-        (tmp / "manifest.json").write_bytes(text.encode("utf-8"))
+        yield tmp
         _replace_dir(tmp, output)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -352,17 +334,6 @@ def _write_atomically(output: Path, split: Split, manifest: dict[str, Any]) -> N
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def _write_jsonl(path: Path, rows: list[Candidate]) -> str:
-    digest = hashlib.sha256()
-    with open(path, "wb") as f:
-        for candidate in rows:
-            line = json.dumps(candidate.to_json_row(), sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-            data = (line + "\n").encode("utf-8")
-            digest.update(data)
-            f.write(data)
-    return digest.hexdigest()
 
 
 def _replace_dir(tmp: Path, output: Path) -> None:

@@ -15,6 +15,11 @@ checks it once, before any row is used (:meth:`PreparedSplit.check`, called by
 
 ``max_tokens_per_microbatch`` of the preparation is a filter, not a limit: the run's micro-batch budget is checked on
 every row as for raw rows (``pair_too_long``).
+
+The rows of a split are the memory-mapped ``<split>.arrow`` (:data:`PREPARED_SCHEMA`): the three token-id columns,
+``prompt_hash``, ``source``, ``source_row`` and ``pair`` (the normalised messages as JSON); ``<split>.jsonl`` holds the
+same rows as text. With the run's own limits (and a budget every row fits) the trainer uses the Arrow file as it is;
+with tighter limits it truncates it once per node into the tokenised-pairs cache.
 """
 
 from __future__ import annotations
@@ -25,41 +30,67 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+
+from pair_dpo_trainer.data.arrow import open_arrow
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.errors import ConfigError
 
-MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/2"
-"""The manifest format this package writes and reads (2: records the tokenizer fingerprint)."""
+_REDO = "re-run `pair-dpo prepare-data` into a fresh --output directory"
+
+MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/3"
+"""The manifest format this package writes and reads (2: records the tokenizer fingerprint; 3: Arrow splits)."""
 
 SPLITS: tuple[str, ...] = ("train", "eval")
+
+PREPARED_SCHEMA = pa.schema(
+    [
+        ("prompt_input_ids", pa.list_(pa.int32())),
+        ("chosen_input_ids", pa.list_(pa.int32())),
+        ("rejected_input_ids", pa.list_(pa.int32())),
+        ("prompt_hash", pa.string()),
+        ("source", pa.string()),
+        ("source_row", pa.int64()),
+        ("pair", pa.string()),
+    ]
+)
+"""Columns of ``<split>.arrow``: ``pair`` is the JSON of the normalised row (``PreferencePair.as_row()``)."""
 
 
 @dataclass(frozen=True, eq=False)
 class PreparedSplit(Sequence):
     """The rows of one split of a prepared directory, with the directory's manifest.
 
-    Behaves as the list of its rows (``len``, indexing, iteration); pass it as ``train_dataset`` / ``eval_dataset``.
+    Behaves as the list of its rows (``len``, indexing, iteration: each row as ``<split>.jsonl`` holds it, messages,
+    ``*_input_ids``, ``prompt_hash``, ``source``, ``source_row``); pass it as ``train_dataset`` / ``eval_dataset``.
 
     Attributes:
         directory: The prepared directory.
         split: ``"train"`` or ``"eval"``.
         manifest: The parsed ``manifest.json``.
-        rows: The rows of ``<split>.jsonl`` (messages, ``*_input_ids``, ``prompt_hash``, ``source``, ``source_row``).
+        rows: ``<split>.arrow`` as a memory-mapped ``datasets.Dataset`` (:data:`PREPARED_SCHEMA`).
     """
 
     directory: str
     split: str
     manifest: Mapping[str, Any]
-    rows: list[dict[str, Any]]
+    rows: Any
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def __getitem__(self, index: Any) -> Any:
-        return self.rows[index]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        row = dict(self.rows[int(index)])
+        return {**json.loads(row.pop("pair")), **row}
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        return iter(self.rows)
+        return (self[i] for i in range(len(self)))
+
+    def prepared_with(self, *, max_length: int, max_prompt_length: int) -> bool:
+        """True when these are the limits the split was prepared with (its rows then need no truncation)."""
+        return (self.manifest["max_length"], self.manifest["max_prompt_length"]) == (max_length, max_prompt_length)
 
     def check(self, tokenizer: Any, *, max_length: int, max_prompt_length: int) -> None:
         """Refuses a run that would misread these rows (module docstring); returns when the rows fit the run.
@@ -125,8 +156,14 @@ def load_prepared(directory: str | Path, split: str) -> PreparedSplit:
         raise ValueError(f"split={split!r}: use one of {SPLITS}")
     root = Path(directory)
     manifest = read_manifest(root)
-    with open(root / f"{split}.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    name = f"{split}.arrow"
+    try:
+        rows = open_arrow(root / name)
+    except (OSError, ValueError, pa.ArrowException) as exc:
+        raise ConfigError("bad_manifest", f"{root / name} cannot be read ({exc}); {_REDO}.") from exc
+    recorded = manifest["outputs"][name]["rows"]
+    if len(rows) != recorded:
+        raise ConfigError("bad_manifest", f"{root / name} holds {len(rows)} rows, its manifest {recorded}; {_REDO}.")
     return PreparedSplit(directory=str(directory), split=split, manifest=manifest, rows=rows)
 
 
@@ -137,32 +174,36 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         ConfigError: ``bad_manifest`` (see :func:`load_prepared`).
     """
     path = Path(directory) / "manifest.json"
-    redo = "re-run `pair-dpo prepare-data` into a fresh --output directory"
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
         raise ConfigError(
             "bad_manifest",
             f"{directory} is a directory without manifest.json, so not a `pair-dpo prepare-data` output: pass a "
-            f"jsonl / json / parquet file, or {redo}.",
+            f"jsonl / json / parquet file, or {_REDO}.",
         ) from exc
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError("bad_manifest", f"{path} cannot be read as JSON ({exc}); {redo}.") from exc
+        raise ConfigError("bad_manifest", f"{path} cannot be read as JSON ({exc}); {_REDO}.") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None
         raise ConfigError(
             "bad_manifest",
             f"{path} has format {found!r}, not {MANIFEST_FORMAT!r} (older versions recorded no tokenizer "
-            f"fingerprint, so the rows cannot be checked against this run's tokenizer); {redo}.",
+            f"fingerprint, so the rows cannot be checked against this run's tokenizer, or wrote no Arrow splits); "
+            f"{_REDO}.",
         )
     tokenizer = manifest.get("tokenizer")
+    outputs = manifest.get("outputs")
     fields_ok = (
         isinstance(tokenizer, dict)
         and isinstance(tokenizer.get("fingerprint"), str)
         and all(isinstance(manifest.get(key), int) for key in ("max_length", "max_prompt_length"))
+        and isinstance(outputs, dict)
+        and all(isinstance(outputs.get(f"{split}.arrow", {}).get("rows"), int) for split in SPLITS)
     )
     if not fields_ok:
         raise ConfigError(
-            "bad_manifest", f"{path} lacks tokenizer.fingerprint, max_length or max_prompt_length; {redo}."
+            "bad_manifest",
+            f"{path} lacks tokenizer.fingerprint, max_length, max_prompt_length or the Arrow outputs; {_REDO}.",
         )
     return manifest

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -66,18 +67,11 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return digest.hexdigest()
 
 
-def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
-    """Loads every row of one input file, in file order.
-
-    Args:
-        path: A ``.jsonl`` / ``.ndjson`` / ``.json`` (array of rows or JSON lines) or ``.parquet`` file.
-        cache_dir: Temporary directory for the ``datasets`` cache (the caller removes it).
-
-    Returns:
-        A ``datasets.Dataset`` or a list of decoded JSON values (one per row).
+def check_input(path: str) -> str:
+    """Returns the ``datasets`` builder of an input file (``"json"`` / ``"parquet"``) once it is a readable file.
 
     Raises:
-        InputError: The file is missing, unreadable, or not valid for its format.
+        InputError: An unsupported suffix, a directory, a missing or unreadable file.
     """
     fmt = input_format(path)
     if fmt is None:
@@ -91,6 +85,23 @@ def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
             f.read(1)
     except OSError as exc:
         raise InputError(f"{path}: cannot open it ({exc.strerror or exc}).") from exc
+    return fmt
+
+
+def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
+    """Loads every row of one input file, in file order.
+
+    Args:
+        path: A ``.jsonl`` / ``.ndjson`` / ``.json`` (array of rows or JSON lines) or ``.parquet`` file.
+        cache_dir: Temporary directory for the ``datasets`` cache (the caller removes it).
+
+    Returns:
+        A ``datasets.Dataset`` or a list of decoded JSON values (one per row).
+
+    Raises:
+        InputError: The file is missing, unreadable, or not valid for its format.
+    """
+    fmt = check_input(path)
     if fmt == "json" and _needs_json_module(path):
         return _load_json_values(path)
     try:
@@ -105,23 +116,34 @@ def load_rows(path: str, cache_dir: str) -> Sequence[Any]:
     return dataset
 
 
-def iter_rows(rows: Iterable[Any]) -> Iterator[Any]:
-    """Yields the rows of ``rows``; a ``datasets.Dataset`` row whose text does not decode becomes an
-    :class:`UnreadableRow` (``bad_text``) in its place instead of ending the iteration with ``UnicodeDecodeError``.
+def iter_rows(rows: Iterable[Any], start: int = 0, stop: int | None = None) -> Iterator[Any]:
+    """Yields the rows of ``rows`` (those of ``[start, stop)`` when given); a ``datasets.Dataset`` row whose text does
+    not decode becomes an :class:`UnreadableRow` (``bad_text``) in its place instead of ending the iteration with
+    ``UnicodeDecodeError``.
 
     Args:
         rows: Any iterable of rows; a ``datasets.Dataset`` (python format) is read in batches of 1000 rows.
+        start / stop: The row range to read (``stop=None``: to the end); a non-sequence iterable is skipped through.
     """
     datasets = sys.modules.get("datasets")  # a datasets.Dataset exists only if datasets is imported
-    if datasets is None or not isinstance(rows, datasets.Dataset) or rows.format.get("type") is not None:
-        yield from rows
+    if datasets is None or not isinstance(rows, datasets.Dataset):
+        if start == 0 and stop is None:
+            yield from rows
+        elif isinstance(rows, Sequence):
+            yield from (rows[i] for i in range(start, len(rows) if stop is None else min(stop, len(rows))))
+        else:
+            yield from itertools.islice(rows, start, stop)
         return
-    for start in range(0, len(rows), _ROWS_PER_BATCH):
-        stop = min(start + _ROWS_PER_BATCH, len(rows))
+    stop = len(rows) if stop is None else min(stop, len(rows))
+    if rows.format.get("type") is not None:
+        yield from (rows[i] for i in range(start, stop))
+        return
+    for first in range(start, stop, _ROWS_PER_BATCH):
+        last = min(first + _ROWS_PER_BATCH, stop)
         try:
-            batch = rows[start:stop]
+            batch = rows[first:last]
         except UnicodeDecodeError:
-            yield from (_decoded_row(rows, i) for i in range(start, stop))
+            yield from (_decoded_row(rows, i) for i in range(first, last))
             continue
         names = list(batch)
         yield from (dict(zip(names, values, strict=True)) for values in zip(*batch.values(), strict=True))

@@ -33,8 +33,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from jinja2.exceptions import TemplateError
 
+from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset
 from pair_dpo_trainer.data.normalize import PreferencePair, normalize_row
 from pair_dpo_trainer.data.readers import iter_rows
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
@@ -99,6 +101,7 @@ class TokenizationResult:
         pairs: The normalised pair of each accepted row when ``keep_pairs=True``, else ``None``.
         num_truncated: Accepted pairs whose prompt or a completion was cut to the length limits.
         first_rejection: ``"[code] message"`` of the first rejected row in input order, else ``None``.
+        first_error: ``(reason_code, message)`` of that row, else ``None`` (what a strict run raises).
     """
 
     features: list[dict[str, Any]]
@@ -109,6 +112,7 @@ class TokenizationResult:
     pairs: list[PreferencePair] | None = field(default=None)
     num_truncated: int = 0
     first_rejection: str | None = None
+    first_error: tuple[str, str] | None = None
 
     @property
     def num_accepted(self) -> int:
@@ -338,7 +342,7 @@ def _convert_rows(
     pairs: list[PreferencePair] = []
     rejections: Counter[str] = Counter()
     examples: dict[str, str] = {}
-    first_rejection: str | None = None
+    first_error: tuple[str, str] | None = None
     num_truncated = 0
     for index, row in enumerate(iter_rows(rows)):
         try:
@@ -349,7 +353,7 @@ def _convert_rows(
                 raise PreferenceRowError(exc.reason_code, message) from exc
             rejections[exc.reason_code] += 1
             examples.setdefault(exc.reason_code, message)
-            first_rejection = first_rejection or f"[{exc.reason_code}] {message}"
+            first_error = first_error or (exc.reason_code, message)
             continue
         features.append(row_features)
         row_indices.append(index)
@@ -365,7 +369,8 @@ def _convert_rows(
         num_rows,
         pairs if keep_pairs else None,
         num_truncated=num_truncated,
-        first_rejection=first_rejection,
+        first_rejection=None if first_error is None else f"[{first_error[0]}] {first_error[1]}",
+        first_error=first_error,
     )
 
 
@@ -380,19 +385,26 @@ def pair_costs(rows: Any) -> list[int]:
         >>> pair_costs([row])
         [8]
     """
-    datasets = sys.modules.get("datasets")  # a datasets.Dataset exists only if datasets is imported
-    if datasets is not None and isinstance(rows, datasets.Dataset):
+    return pair_cost_array(rows).tolist()
+
+
+def pair_cost_array(rows: Any) -> np.ndarray:
+    """:func:`pair_costs` as an ``[N]`` int64 array; for a ``datasets.Dataset`` computed from the Arrow list lengths
+    of its token columns, batch by batch (no Python object per pair, no token read).
+
+    Raises:
+        KeyError: A ``datasets.Dataset`` without the three ``*_input_ids`` columns.
+    """
+    if is_arrow_dataset(rows):
         missing = [c for c in FEATURE_COLUMNS if c not in rows.column_names]
         if missing:
             raise KeyError(f"the dataset lacks the column(s) {missing}; tokenise it first (tokenize_dataset).")
-        import pyarrow.compute as pc
-
-        table = rows.select_columns(list(FEATURE_COLUMNS)).with_format("arrow")[:]
-        lengths = [pc.list_value_length(table[c]).to_pylist() for c in FEATURE_COLUMNS]
-        return [2 * p + c + r for p, c, r in zip(*lengths, strict=True)]
-    return [
+        prompt, chosen, rejected = (arrow_lengths(rows, column) for column in FEATURE_COLUMNS)
+        return 2 * prompt + chosen + rejected
+    costs = (
         2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"]) for row in rows
-    ]
+    )
+    return np.fromiter(costs, dtype=np.int64)
 
 
 def _check_lengths(max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None) -> None:

@@ -102,6 +102,15 @@ def manifest_listing(files: tuple[VerifiedFile, ...] | list[VerifiedFile]) -> by
     return json.dumps(listing, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
+def _require_pinned(revision: str) -> None:
+    if not is_pinned_revision(revision):
+        raise SnapshotIntegrityError(
+            "revision_not_pinned",
+            f"revision {revision!r} is not a full 40-hex lowercase commit hash (branches, tags and short "
+            "SHAs are refused)",
+        )
+
+
 def open_root(path: str | os.PathLike[str]) -> Path:
     """Returns the resolved snapshot root or raises ``not_a_directory``."""
     candidate = Path(path)
@@ -142,6 +151,48 @@ def _match_payload(root: Path, payload: dict[str, Path], records: dict[str, File
     return matched
 
 
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """A snapshot that passed every check but hashing (steps 1 to 5 of the module docstring).
+
+    Attributes:
+        root: Resolved snapshot directory.
+        revision: The pinned commit.
+        jobs: One hash job per payload file (its etag from the metadata), sorted by path.
+        weight_files: The weight files a loader would read.
+    """
+
+    root: Path
+    revision: str
+    jobs: tuple[HashJob, ...]
+    weight_files: tuple[str, ...]
+
+    def verified(self, results: list[tuple[str, int]]) -> VerifiedSnapshot:
+        """The verified snapshot, from one ``(digest, size)`` per job (each digest equal to its job's etag)."""
+        pairs = zip(self.jobs, results, strict=True)
+        files = tuple(VerifiedFile(job.rel, size, job.kind, digest) for job, (digest, size) in pairs)
+        return VerifiedSnapshot(self.root, self.revision, files, manifest_digest(files), self.weight_files)
+
+
+def plan_snapshot(path: str | os.PathLike[str], revision: str, *, allow_pickle: bool = False) -> SnapshotPlan:
+    """Runs every check of :func:`verify_snapshot` but the hashing; returns what is left to hash.
+
+    Raises:
+        SnapshotIntegrityError: The reason codes of steps 1 to 5 (see the module docstring).
+    """
+    _require_pinned(revision)
+    root = open_root(path)
+    payload = scan_payload(root)
+    records = _read_records(root, revision)
+    matched = _match_payload(root, payload, records)
+    weight_files = check_completeness(root, set(matched), allow_pickle=allow_pickle)
+    jobs = tuple(
+        HashJob(rel, real, KIND_BY_ETAG_LENGTH[len(records[rel].etag)], records[rel].etag, real.stat().st_size)
+        for rel, real in sorted(matched.items())
+    )
+    return SnapshotPlan(root, revision, jobs, weight_files)
+
+
 def verify_snapshot(
     path: str | os.PathLike[str],
     revision: str,
@@ -171,25 +222,8 @@ def verify_snapshot(
             relative ``path``.
         ValueError: ``threads`` is not positive.
     """
-    if not is_pinned_revision(revision):
-        raise SnapshotIntegrityError(
-            "revision_not_pinned",
-            f"revision {revision!r} is not a full 40-hex lowercase commit hash (branches, tags and short "
-            "SHAs are refused)",
-        )
+    _require_pinned(revision)
     if threads is not None and threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
-    root = open_root(path)
-    payload = scan_payload(root)
-    records = _read_records(root, revision)
-    matched = _match_payload(root, payload, records)
-    weight_files = check_completeness(root, set(matched), allow_pickle=allow_pickle)
-    jobs = [
-        HashJob(rel, real, KIND_BY_ETAG_LENGTH[len(records[rel].etag)], records[rel].etag, real.stat().st_size)
-        for rel, real in sorted(matched.items())
-    ]
-    results = verify_hashes(jobs, threads=threads, progress=progress)
-    files = tuple(
-        VerifiedFile(job.rel, size, job.kind, digest) for job, (digest, size) in zip(jobs, results, strict=True)
-    )
-    return VerifiedSnapshot(root, revision, files, manifest_digest(files), weight_files)
+    plan = plan_snapshot(path, revision, allow_pickle=allow_pickle)
+    return plan.verified(verify_hashes(list(plan.jobs), threads=threads, progress=progress))

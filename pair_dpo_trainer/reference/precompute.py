@@ -24,7 +24,6 @@ import itertools
 import json
 import logging
 import os
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,8 @@ from torch.utils.data import DataLoader
 
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator, pair_rows
-from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_costs
+from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array
 from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import with_length_desensitization
@@ -93,47 +93,50 @@ class WithRefLogps:
         if len(dataset) != logps.shape[0]:
             raise ValueError(f"{logps.shape[0]} precomputed log-prob pairs for a dataset of {len(dataset)} pairs")
         self.dataset = dataset
-        self.logps = logps.tolist()
+        self.logps = logps.to(torch.float32).numpy()  # [N, 2]: 8 bytes per pair, not two Python floats
 
     def __getitem__(self, index: int) -> dict:
-        chosen, rejected = self.logps[int(index)]
+        chosen, rejected = self.logps[int(index)].tolist()
         return {**self.dataset[int(index)], REF_LOGPS_KEYS[0]: chosen, REF_LOGPS_KEYS[1]: rejected}
 
     def __len__(self) -> int:
         return len(self.dataset)
 
 
-def _token_columns(dataset: Any) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
-    """``(column, lengths int64, flat values int64)`` of each token-id column."""
-    datasets = sys.modules.get("datasets")
-    if datasets is not None and isinstance(dataset, datasets.Dataset):
+def _column_parts(dataset: Any, column: str) -> tuple[np.ndarray, Iterator[np.ndarray]]:
+    """``(lengths int64, flat ids int64 in pieces)`` of one token-id column; a ``datasets.Dataset`` is read in batches
+    of its Arrow columns (the ids are never all in memory at once)."""
+    if is_arrow_dataset(dataset):
         import pyarrow.compute as pc
 
-        table = dataset.select_columns(list(FEATURE_COLUMNS)).with_format("arrow")[:]
-        for column in FEATURE_COLUMNS:
-            lengths = pc.list_value_length(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
-            values = pc.list_flatten(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
-            yield column, lengths, values
-        return
-    for column in FEATURE_COLUMNS:
-        rows = [row[column] for row in dataset]
-        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-        values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
-        yield column, lengths, values
+        def pieces() -> Iterator[np.ndarray]:
+            for table in scan(dataset, [column]):
+                yield pc.list_flatten(table[column]).to_numpy(zero_copy_only=False).astype(np.int64)
+
+        return arrow_lengths(dataset, column), pieces()
+    rows = [row[column] for row in dataset]
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(lengths.sum()))
+    return lengths, iter([values])
 
 
 def dataset_fingerprint(dataset: Any) -> str:
     """SHA-256 of the token-id columns (per column: name, per-row lengths, flat ids as little-endian int64).
+
+    A ``datasets.Dataset`` (e.g. the memory-mapped pairs the trainer tokenised) is hashed batch by batch from its
+    Arrow columns; the digest is the same as for the same pairs in a list of dicts.
 
     Example:
         Two datasets with the same pairs in the same order have the same fingerprint, whatever their container
         (``datasets.Dataset`` or a list of dicts) or extra columns.
     """
     hasher = hashlib.sha256()
-    for column, lengths, values in _token_columns(dataset):
-        hasher.update(f"{column}:{lengths.size}:{values.size}\n".encode())
+    for column in FEATURE_COLUMNS:
+        lengths, pieces = _column_parts(dataset, column)
+        hasher.update(f"{column}:{lengths.size}:{int(lengths.sum())}\n".encode())
         hasher.update(lengths.astype("<i8").tobytes())
-        hasher.update(values.astype("<i8").tobytes())
+        for values in pieces:
+            hasher.update(values.astype("<i8").tobytes())
     return hasher.hexdigest()
 
 
@@ -221,7 +224,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc
         desc: Name of the dataset for the progress bar and messages.
     """
     sampler = EvalBatchSampler(
-        pair_costs(dataset),
+        pair_cost_array(dataset),
         world_size=args.world_size,
         rank=args.process_index,
         pairs_per_microbatch=args.per_device_eval_batch_size,

@@ -4,6 +4,10 @@ Standard DPO is only as good as its reference. With ``ref_model_revision`` set, 
 (``ref_model_name_or_path``, else the policy's directory) is verified offline against that pinned commit by
 :func:`pair_dpo_trainer.integrity.verify_snapshot` before the policy or the reference is loaded. Without it the run
 refuses to start, unless ``allow_unpinned_reference=True`` (a warning, and ``"pinned": false`` in the identity).
+
+Once per node: the node's local main process hashes the snapshot and shares a proof with the node's other ranks,
+which run every other check themselves and hash only what the proof does not prove
+(:mod:`pair_dpo_trainer.integrity.proof`); a verification failure stops every rank of the node with its reason code.
 """
 
 from __future__ import annotations
@@ -12,11 +16,13 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.integrity import VerifiedSnapshot, verify_snapshot
+from pair_dpo_trainer.integrity import VerifiedSnapshot
+from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
 from pair_dpo_trainer.modeling.paths import require_model_directory
+from pair_dpo_trainer.node import Node
 
 if TYPE_CHECKING:
     from pair_dpo_trainer.config import PairDPOConfig
@@ -34,12 +40,14 @@ class ReferenceSource:
         snapshot: The verified snapshot (None when unpinned).
         revision: The pinned commit (None when unpinned).
         repo_id: Hub repository id, when the user gave one (``ref_model_repo_id``).
+        files_hashed: Snapshot files this process hashed itself (the others were proven by its node's local main).
     """
 
     directory: str | None
     snapshot: VerifiedSnapshot | None
     revision: str | None
     repo_id: str | None
+    files_hashed: int = 0
 
     @property
     def pinned(self) -> bool:
@@ -83,15 +91,27 @@ def resolve_reference_source(
             f"ref_model_revision is set but the reference {directory!r} is not a local directory: download it "
             "with `hf download REPO --revision <40-hex sha> --local-dir DIR` and set ref_model_name_or_path=DIR.",
         )
-    snapshot = verify_snapshot(
+    snapshot, hashed = _verify_once_per_node(args, directory, args.ref_model_revision)
+    logger.info(
+        "reference snapshot %s verified at %s (%d files, %d hashed by this process)",
         directory,
-        args.ref_model_revision,
-        threads=args.verify_threads,
-        allow_pickle=args.allow_pickle_weights,
-        progress=_progress_bar(directory),
+        snapshot.revision,
+        len(snapshot.files),
+        hashed,
     )
-    logger.info("reference snapshot %s verified at %s (%d files)", directory, snapshot.revision, len(snapshot.files))
-    return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id)
+    return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id, files_hashed=hashed)
+
+
+def _verify_once_per_node(args: PairDPOConfig, directory: str, revision: str) -> tuple[VerifiedSnapshot, int]:
+    """The node's local main verifies and proves; the other ranks check with its proof (module docstring)."""
+    options: dict[str, Any] = {"threads": args.verify_threads, "allow_pickle": args.allow_pickle_weights}
+    shared = Node.from_args(args).once(
+        lambda: verify_and_prove(directory, revision, progress=_progress_bar(directory), **options)
+    )
+    snapshot, proof = shared.value
+    if shared.here:
+        return snapshot, len(snapshot.files)
+    return verify_with_proof(directory, revision, proof, **options)
 
 
 def _unpinned(args: PairDPOConfig, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:

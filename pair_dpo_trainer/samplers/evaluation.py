@@ -34,7 +34,7 @@ WeightedIndex = tuple[int, float]
 
 
 def plan_eval(
-    costs: Sequence[int],
+    costs: Sequence[int] | np.ndarray,
     *,
     world_size: int,
     rank: int,
@@ -79,7 +79,7 @@ def plan_eval(
 
 
 def _plan_eval_budget(
-    costs: Sequence[int], order: list[int], world_size: int, rank: int, cap: int, budget: int
+    costs: Sequence[int] | np.ndarray, order: list[int], world_size: int, rank: int, cap: int, budget: int
 ) -> list[list[WeightedIndex]]:
     """Next-fit packing of each rank's strided share of ``order``; short ranks padded with weight-0 fillers."""
     counts = []
@@ -92,7 +92,7 @@ def _plan_eval_budget(
     return [[(i, 1.0) for i in batch] for batch in mine] + [filler] * (max(counts) - len(mine))
 
 
-def _next_fit(indices: list[int], costs: Sequence[int], cap: int, budget: int) -> list[list[int]]:
+def _next_fit(indices: list[int], costs: Sequence[int] | np.ndarray, cap: int, budget: int) -> list[list[int]]:
     """Consecutive ``indices`` in micro-batches of at most ``cap`` pairs and ``budget`` tokens."""
     batches: list[list[int]] = []
     load = 0
@@ -113,7 +113,7 @@ class EvalBatchSampler:
 
     def __init__(
         self,
-        costs: Sequence[int],
+        costs: Sequence[int] | np.ndarray,
         *,
         world_size: int,
         rank: int,

@@ -1,0 +1,212 @@
+"""The tokenised-pairs cache: one directory per (rows, tokenizer, limits), written once, memory-mapped after that.
+
+Location: ``PairDPOConfig.dataset_cache_dir``, by default ``$HF_DATASETS_CACHE/pair_dpo_trainer/pairs`` (``datasets``'
+own cache, ``~/.cache/huggingface/datasets`` unless set): node-local on most clusters, so each node tokenises once
+and its ranks share the files; shared across runs, so a second run (a resume, another learning rate) tokenises
+nothing. Each entry is ``<root>/pairs-<32 hex of the key's SHA-256>/`` holding ``meta.json`` (the key, what was
+written, who wrote it and when) and ``pairs.arrow`` (an Arrow stream file) unless nothing had to change (pre-tokenised
+rows within the limits: the dataset itself is used).
+
+The key is everything the tokenised rows depend on: the format of this cache, the package version, the kind of
+conversion, a fingerprint of the input rows (:func:`~pair_dpo_trainer.data.arrow.content_fingerprint` of a
+``datasets.Dataset``, a SHA-256 of each pickled row of a list), the tokenizer fingerprint
+(:func:`~pair_dpo_trainer.data.fingerprint.tokenizer_fingerprint`) and the length limits. Change any and the entry
+is another one; an entry whose ``meta.json`` does not hold exactly the key, or whose Arrow file has another size, is
+rebuilt.
+
+Writing is atomic: an entry is built in a temporary sibling directory and renamed into place, so a reader sees a
+whole entry or none; two processes that build the same entry at once (two nodes on a shared file system) both
+succeed and one entry stays.
+
+Cleaning: entries are never deleted by the package. Remove ``<root>`` (or single ``pairs-*`` directories) when no
+run is using them; a run in progress keeps reading the files it has open, but its data-loader workers reopen them by
+path. Temporary directories left by a killed build are removed by the next build once they are a day old.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pair_dpo_trainer.errors import ConfigError
+
+CACHE_FORMAT = 1
+META_FILE = "meta.json"
+ARROW_FILE = "pairs.arrow"
+_STALE_SECONDS = 24 * 3600
+
+
+def default_cache_dir() -> Path:
+    """``$HF_DATASETS_CACHE/pair_dpo_trainer/pairs`` (the environment variable read now, else ``datasets``')."""
+    root = os.environ.get("HF_DATASETS_CACHE")
+    if not root:
+        import datasets
+
+        root = str(datasets.config.HF_DATASETS_CACHE)
+    return Path(root) / "pair_dpo_trainer" / "pairs"
+
+
+def rows_fingerprint(rows: Iterable[Any]) -> str:
+    """SHA-256 of a sequence of rows: each row pickled (protocol 5), length-prefixed, in order.
+
+    Equal fingerprints mean equal rows (a pickle rebuilds exactly its object); equal rows built differently (keys in
+    another order, a shared object) may pickle differently: the cache then misses, never mixes datasets up.
+
+    Raises:
+        TypeError / pickle.PicklingError: A row that does not pickle.
+    """
+    digest = hashlib.sha256(b"pair_dpo_trainer.pylist/1\n")
+    count = 0
+    for row in rows:
+        data = pickle.dumps(row, protocol=5)
+        digest.update(len(data).to_bytes(8, "little"))
+        digest.update(data)
+        count += 1
+    digest.update(f"\n{count}".encode())
+    return digest.hexdigest()
+
+
+def key_digest(key: Mapping[str, Any]) -> str:
+    """SHA-256 of the key's canonical JSON."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One complete entry.
+
+    Attributes:
+        directory: The entry's directory.
+        meta: Its ``meta.json``: ``key``, ``result`` (``rows``, ``num_truncated``, ``arrow`` file name or None,
+            ``size``, ``sha256``), ``created_by`` (``host``, ``pid``), ``created_at``, ``seconds``, ``num_proc``.
+        built_here: This process built it (False: found, written by an earlier run or another process).
+    """
+
+    directory: Path
+    meta: dict[str, Any]
+    built_here: bool = False
+
+    @property
+    def arrow_path(self) -> Path | None:
+        """The Arrow file, or None when the input needed no change."""
+        name = self.meta["result"].get("arrow")
+        return None if name is None else self.directory / name
+
+
+class PairCache:
+    """The cache under ``root`` (see the module docstring).
+
+    Args:
+        root: The cache directory (created when an entry is first built).
+    """
+
+    def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
+        self.root = Path(root) if root is not None else default_cache_dir()
+
+    def entry_dir(self, key: Mapping[str, Any]) -> Path:
+        """Where the entry of ``key`` lives."""
+        return self.root / f"pairs-{key_digest(key)[:32]}"
+
+    def lookup(self, key: Mapping[str, Any]) -> CacheEntry | None:
+        """The complete entry of exactly ``key``, else None."""
+        directory = self.entry_dir(key)
+        try:
+            meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(meta, dict) or meta.get("key") != json.loads(json.dumps(dict(key))):
+            return None
+        name = meta.get("result", {}).get("arrow")
+        if name is not None:
+            try:
+                if (directory / name).stat().st_size != meta["result"]["size"]:
+                    return None
+            except (OSError, KeyError):
+                return None
+        return CacheEntry(directory, meta)
+
+    def get_or_build(
+        self, key: Mapping[str, Any], build: Callable[[Path], dict[str, Any]], *, num_proc: int = 1
+    ) -> CacheEntry:
+        """The entry of ``key``; built first when missing.
+
+        Args:
+            key: The cache key (JSON-serialisable).
+            build: ``build(directory) -> result``: writes the entry's files into ``directory`` (a temporary one) and
+                returns the ``result`` recorded in ``meta.json`` (``arrow``: the Arrow file's name or None, ``size``,
+                ``rows``, ...).
+            num_proc: Recorded in ``meta.json``.
+
+        Raises:
+            ConfigError: ``dataset_cache_unwritable`` when the cache directory cannot be written.
+        """
+        found = self.lookup(key)
+        if found is not None:
+            return found
+        tmp = self._fresh_tmp(key)
+        try:
+            started = time.perf_counter()
+            result = build(tmp)
+            meta = {
+                "format": CACHE_FORMAT,
+                "key": dict(key),
+                "result": result,
+                "created_by": {"host": socket.gethostname(), "pid": os.getpid()},
+                "created_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "seconds": round(time.perf_counter() - started, 3),
+                "num_proc": num_proc,
+            }
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+            return self._publish(tmp, key, meta)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def _fresh_tmp(self, key: Mapping[str, Any]) -> Path:
+        final = self.entry_dir(key)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale()
+            tmp = self.root / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+            tmp.mkdir()
+        except OSError as exc:
+            raise ConfigError(
+                "dataset_cache_unwritable",
+                f"cannot write the tokenised-pairs cache {self.root} ({exc}): set dataset_cache_dir (or "
+                "HF_DATASETS_CACHE) to a writable directory with room for the tokenised dataset.",
+            ) from exc
+        return tmp
+
+    def _publish(self, tmp: Path, key: Mapping[str, Any], meta: dict[str, Any]) -> CacheEntry:
+        final = self.entry_dir(key)
+        try:
+            os.rename(tmp, final)
+            return CacheEntry(final, meta, built_here=True)
+        except OSError:
+            pass  # another process published it first, or a broken entry is in the way
+        existing = self.lookup(key)
+        if existing is not None:
+            return existing
+        broken = self.root / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        os.rename(final, broken)
+        os.rename(tmp, final)
+        shutil.rmtree(broken, ignore_errors=True)
+        return CacheEntry(final, meta, built_here=True)
+
+    def _remove_stale(self) -> None:
+        now = time.time()
+        for path in self.root.glob(".pairs-*"):
+            try:
+                if now - path.stat().st_mtime > _STALE_SECONDS:
+                    shutil.rmtree(path, ignore_errors=True)
+            except OSError:
+                continue

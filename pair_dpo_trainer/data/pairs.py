@@ -1,0 +1,210 @@
+"""Rows -> memory-mapped tokenised pairs: converted once per node, on every core, into the cache.
+
+:func:`build_pairs` is what the trainer does with raw rows (a list or a ``datasets.Dataset``) and with a
+pre-tokenised ``datasets.Dataset``:
+
+1. every rank computes the cache key (:mod:`pair_dpo_trainer.data.cache`): the rows' fingerprint, the tokenizer's
+   fingerprint (raw rows), the limits;
+2. the node's local main process finds the entry, or converts the rows with ``num_proc`` workers
+   (:mod:`pair_dpo_trainer.data.parallel`, :mod:`pair_dpo_trainer.data.chunks`) into an Arrow file and publishes the
+   entry, while the node's other ranks wait (:class:`~pair_dpo_trainer.node.Node`);
+3. every rank memory-maps that file. A rank whose own key differs from the local main's (other rows, another
+   tokenizer) converts its rows itself instead of using another dataset's result.
+
+A strict conversion: the first bad row (in input order) fails the run on every rank of the node with its reason code
+and its row index, and nothing is published. Pre-tokenised rows of which none had to be cut are used as they are (the
+entry records that), as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pair_dpo_trainer.data.arrow import StreamWriter, content_fingerprint, is_arrow_dataset, open_arrow
+from pair_dpo_trainer.data.cache import ARROW_FILE, CACHE_FORMAT, CacheEntry, PairCache, rows_fingerprint
+from pair_dpo_trainer.data.chunks import IDS_SCHEMA, KeepColumns, PairConverter, Tally, convert_chunks, encode_ids
+from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
+from pair_dpo_trainer.data.parallel import CHUNK_ROWS
+from pair_dpo_trainer.data.streams import range_chunks
+from pair_dpo_trainer.node import Node
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BuiltPairs:
+    """The pairs of one dataset and how they were obtained.
+
+    Attributes:
+        dataset: A memory-mapped ``datasets.Dataset`` (or the pre-tokenised input itself when nothing was cut).
+        num_rows: Pairs.
+        num_truncated: Pairs cut to the limits.
+        entry: The cache entry.
+        here: This process converted the rows (False: a cache hit, or the node's local main converted them).
+    """
+
+    dataset: Any
+    num_rows: int
+    num_truncated: int
+    entry: CacheEntry
+    here: bool
+
+
+def build_pairs(
+    dataset: Any,
+    tokenizer: Any,
+    limits: Mapping[str, Any],
+    *,
+    tokenized: bool,
+    desc: str,
+    num_proc: int,
+    cache: PairCache,
+    node: Node,
+    progress: bool = False,
+) -> BuiltPairs:
+    """Tokenised pairs of ``dataset`` within ``limits``, converted once per node (module docstring).
+
+    Args:
+        dataset: Raw rows (a sequence, or a ``datasets.Dataset``), or a pre-tokenised ``datasets.Dataset``.
+        tokenizer: The run's tokenizer (unused for pre-tokenised rows).
+        limits: The keyword limits of :func:`~pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        tokenized: ``dataset`` has the three ``*_input_ids`` columns (it is only truncated and checked).
+        desc: Name of the dataset in messages and logs.
+        num_proc: Worker processes of the local main's conversion.
+        cache: Where entries live.
+        node: This process's node (who converts, who waits).
+        progress: Show a progress bar (rows/s) on stderr while converting.
+
+    Raises:
+        PreferenceRowError: The first bad row, on every rank of the node.
+        ConfigError: ``dataset_cache_unwritable``.
+    """
+    fingerprint = _fingerprint(dataset)
+    if fingerprint is None:  # rows that do not pickle (e.g. nested past the recursion limit): no cache, no sharing
+        return _convert_in_memory(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
+    key = _cache_key(fingerprint, None if tokenized else tokenizer, limits)
+    build = functools.partial(
+        _write_pairs, dataset, tokenizer, limits, tokenized=tokenized, desc=desc, num_proc=num_proc, progress=progress
+    )
+    shared = node.once(lambda: cache.get_or_build(key, build, num_proc=num_proc))
+    entry, here = shared.value, shared.here and shared.value.built_here
+    if entry.meta["key"] != json.loads(json.dumps(key)):  # this rank's rows or tokenizer differ from the main's
+        entry = cache.get_or_build(key, build, num_proc=num_proc)
+        here = entry.built_here
+    result = entry.meta["result"]
+    pairs = dataset if entry.arrow_path is None else open_arrow(entry.arrow_path)
+    _log(desc, entry, here)
+    return BuiltPairs(pairs, int(result["rows"]), int(result["num_truncated"]), entry, here)
+
+
+def _cache_key(fingerprint: str, tokenizer: Any, limits: Mapping[str, Any]) -> dict[str, Any]:
+    from pair_dpo_trainer import __version__
+
+    return {
+        "format": CACHE_FORMAT,
+        "package": __version__,
+        "conversion": "truncate" if tokenizer is None else "tokenize",
+        "rows": fingerprint,
+        "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
+        "limits": {name: limits[name] for name in sorted(limits)},
+    }
+
+
+def _fingerprint(dataset: Any) -> str | None:
+    """The rows' fingerprint, or None for rows that cannot be pickled (logged)."""
+    if is_arrow_dataset(dataset):
+        return content_fingerprint(dataset)
+    try:
+        return rows_fingerprint(dataset)
+    except Exception as exc:  # pickle raises several types for an object it cannot serialise
+        logger.warning(
+            "a row cannot be pickled (%s: %s): the dataset is converted on every rank, in memory, and not cached",
+            type(exc).__name__,
+            exc,
+        )
+        return None
+
+
+def _converter(dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str):
+    """The chunk converter of ``dataset`` and the schema of what it writes."""
+    if tokenized:
+        schema = dataset.features.arrow_schema
+        return PairConverter(None, limits, desc, encode=KeepColumns(schema), source=dataset), schema
+    return PairConverter(tokenizer, limits, desc, encode=encode_ids, source=dataset), IDS_SCHEMA
+
+
+def _convert_in_memory(
+    dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str
+) -> BuiltPairs:
+    """Converts ``dataset`` in this process into an in-memory Arrow dataset (no cache, no workers)."""
+    import datasets
+
+    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
+    tally = Tally(strict=True)
+    batches = [r.batch for r in convert_chunks(converter, range_chunks(len(dataset)), num_proc=1, tally=tally)]
+    pairs = datasets.Dataset(pa.Table.from_batches(batches, schema=schema))
+    entry = CacheEntry(Path(), {"result": {"arrow": None}, "created_by": {}}, built_here=True)
+    return BuiltPairs(pairs, tally.num_accepted, tally.num_truncated, entry, here=True)
+
+
+def _write_pairs(
+    dataset: Any,
+    tokenizer: Any,
+    limits: Mapping[str, Any],
+    directory: Path,
+    *,
+    tokenized: bool,
+    desc: str,
+    num_proc: int,
+    progress: bool,
+) -> dict[str, Any]:
+    """Converts every row into ``directory / pairs.arrow``; returns the entry's ``result`` (runs on the local main)."""
+    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
+    chunks = range_chunks(len(dataset))
+    workers = max(1, min(num_proc, math.ceil(len(dataset) / CHUNK_ROWS)))
+    tally = Tally(strict=True)
+    bar = _progress_bar(len(dataset), desc) if progress else None
+    try:
+        with StreamWriter(directory / ARROW_FILE, schema) as writer:
+            for result in convert_chunks(converter, chunks, num_proc=workers, tally=tally, progress=bar):
+                writer.write(result.batch)
+    finally:
+        if bar is not None:
+            bar.close()
+    written = writer.close()
+    unchanged = tokenized and tally.num_truncated == 0
+    if unchanged:
+        (directory / ARROW_FILE).unlink()
+    logger.info("%s: converted %s on %d worker(s)", desc, tally.rate(), workers)
+    return {
+        "arrow": None if unchanged else ARROW_FILE,
+        "rows": tally.num_accepted,
+        "num_truncated": tally.num_truncated,
+        "size": 0 if unchanged else written.size,
+        "sha256": None if unchanged else written.sha256,
+    }
+
+
+def _progress_bar(total: int, desc: str) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="row", file=sys.stderr)
+
+
+def _log(desc: str, entry: CacheEntry, here: bool) -> None:
+    creator = entry.meta["created_by"]
+    where = entry.arrow_path or "(the dataset itself: nothing to cut)"
+    if here:
+        logger.info("%s: tokenised pairs written to %s", desc, where)
+    else:
+        logger.info("%s: using %s, written by pid %s on %s", desc, where, creator["pid"], creator["host"])

@@ -1,0 +1,211 @@
+"""What ``prepare-data`` reads and writes: candidate rows tokenised in parallel chunks, then the two splits.
+
+Reading (:func:`read_inputs`): each input file is streamed in chunks (:class:`~pair_dpo_trainer.data.streams.
+FileStream`), tokenised by ``num_proc`` workers (:mod:`pair_dpo_trainer.data.chunks`) and every accepted row is
+appended, in input order, to one Arrow stream file of candidates on disk: its JSON line as it will be written, the
+Arrow columns of :data:`~pair_dpo_trainer.data.prepared.PREPARED_SCHEMA`, and its prompt hash. The process keeps only
+the chunks in flight and the prompt hash of each accepted row (the split needs every row's prompt group).
+
+Writing (:func:`write_splits`): one sequential pass over the candidates (read a batch at a time, not memory-mapped, so
+the process holds one batch) writes each split's rows, in input order, to
+``<split>.jsonl`` and ``<split>.arrow`` (hashing both as they are written). Everything written depends only on the
+inputs and the arguments, never on the number of workers: byte-identical outputs for any ``--num-proc``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pair_dpo_trainer.data.arrow import StreamWriter, ids_array
+from pair_dpo_trainer.data.chunks import PairConverter, Tally, convert_chunks
+from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
+from pair_dpo_trainer.data.prepared import PREPARED_SCHEMA
+from pair_dpo_trainer.data.streams import Chunk, FileStream
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, TokenizationResult
+
+CANDIDATES_SCHEMA = pa.schema([("json_line", pa.binary()), *PREPARED_SCHEMA])
+"""The candidates file: each accepted row's output JSON line, then its Arrow columns."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One accepted row: where it came from (``row``: 1-based row number in its file), its pair and token ids."""
+
+    source: str
+    row: int
+    pair: PreferencePair
+    features: dict[str, list[int]]
+    prompt_hash: str
+
+    def to_json_row(self) -> dict[str, Any]:
+        """The output row: messages, token ids, prompt hash and source."""
+        return {
+            **self.pair.as_row(),
+            **self.features,
+            "prompt_hash": self.prompt_hash,
+            "source": self.source,
+            "source_row": self.row,
+        }
+
+
+def _json_text(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass(frozen=True)
+class CandidateRows:
+    """Encoder (:data:`~pair_dpo_trainer.data.chunks.Encoder`) of one input's accepted rows as candidates.
+
+    Attributes:
+        source: The input's file name, recorded in each row.
+    """
+
+    source: str
+
+    def __call__(self, result: TokenizationResult, chunk: Chunk, _source: Any) -> pa.RecordBatch:
+        pairs = result.pairs or []
+        rows = [
+            Candidate(self.source, chunk.start + index + 1, pair, features, prompt_hash(pair))
+            for index, pair, features in zip(result.row_indices, pairs, result.features, strict=True)
+        ]
+        columns = {
+            "json_line": pa.array([(_json_text(c.to_json_row()) + "\n").encode("utf-8") for c in rows], pa.binary()),
+            **{column: ids_array([c.features[column] for c in rows]) for column in FEATURE_COLUMNS},
+            "prompt_hash": pa.array([c.prompt_hash for c in rows], pa.string()),
+            "source": pa.array([c.source for c in rows], pa.string()),
+            "source_row": pa.array([c.row for c in rows], pa.int64()),
+            "pair": pa.array([_json_text(c.pair.as_row()) for c in rows], pa.string()),
+        }
+        return pa.RecordBatch.from_pydict(columns, schema=CANDIDATES_SCHEMA)
+
+
+@dataclass(frozen=True)
+class InputSummary:
+    """One input file as recorded in the manifest."""
+
+    name: str
+    sha256: str
+    rows: int
+
+
+@dataclass
+class ReadResult:
+    """Every input read: the candidates file, each accepted row's prompt hash, the inputs and the tally."""
+
+    candidates: Path
+    hashes: list[str] = field(default_factory=list)
+    inputs: list[InputSummary] = field(default_factory=list)
+    tally: Tally = field(default_factory=Tally)
+    workers: int = 1
+
+
+def read_inputs(
+    paths: list[str],
+    tokenizer: Any,
+    limits: dict[str, Any],
+    candidates: Path,
+    *,
+    strict: bool,
+    num_proc: int,
+    progress: Callable[[str, int], Any] | None = None,
+) -> ReadResult:
+    """Tokenises every row of every input into the candidates file (module docstring).
+
+    Args:
+        paths: The input files, in order.
+        tokenizer: The tokenizer.
+        limits: The keyword limits of :func:`~pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        candidates: The candidates file to write.
+        strict: Raise the first rejected row (its ``PreferenceRowError``) instead of counting it.
+        num_proc: Worker processes.
+        progress: ``progress(name, total_rows)`` -> a tqdm bar for one input, or None for no bars.
+
+    Raises:
+        InputError: An input that cannot be read (named with the line where it applies).
+        PreferenceRowError: With ``strict``, the first rejected row.
+    """
+    read = ReadResult(candidates, tally=Tally(strict=strict))
+    with StreamWriter(candidates, CANDIDATES_SCHEMA) as writer:
+        for path in paths:
+            name = Path(path).name
+            stream = FileStream(path)
+            chunks = stream.chunks()
+            head = list(itertools.islice(chunks, 2))
+            read.workers = max(read.workers, num_proc if len(head) > 1 else 1)
+            converter = PairConverter(tokenizer, limits, name, first_row=1, encode=CandidateRows(name), keep_pairs=True)
+            bar = progress(name, stream.expected_rows()) if progress is not None else None
+            try:
+                for result in convert_chunks(
+                    converter, itertools.chain(head, chunks), num_proc=num_proc, tally=read.tally, progress=bar
+                ):
+                    writer.write(result.batch)
+                    read.hashes.extend(result.batch.column("prompt_hash").to_pylist())
+            finally:
+                if bar is not None:
+                    bar.close()
+            read.inputs.append(InputSummary(name=name, sha256=stream.sha256 or "", rows=stream.rows))
+    return read
+
+
+def write_splits(directory: Path, read: ReadResult, assignment: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
+    """Writes ``<split>.jsonl`` and ``<split>.arrow`` for each split of ``assignment`` (candidate indices).
+
+    Rows are written in input order, one batch of the candidates file at a time.
+
+    Returns:
+        ``{file name: {"rows": n, "sha256": hex}}`` for the manifest's ``outputs``.
+    """
+    split_of = np.full(len(read.hashes), -1, dtype=np.int8)
+    names = list(assignment)
+    for number, name in enumerate(names):
+        split_of[np.asarray(assignment[name], dtype=np.int64)] = number
+    writers = {name: _SplitWriter(directory, name) for name in names}
+    try:
+        start = 0
+        with pa.OSFile(str(read.candidates)) as source:  # read batch by batch: no page of it stays in this process
+            for batch in pa.ipc.open_stream(source):
+                mine = split_of[start : start + batch.num_rows]
+                start += batch.num_rows
+                for number, name in enumerate(names):
+                    writers[name].write(batch.filter(pa.array(mine == number)))
+    finally:
+        outputs = {}
+        for writer in writers.values():
+            outputs.update(writer.close())
+    return outputs
+
+
+class _SplitWriter:
+    """The ``.jsonl`` and ``.arrow`` file of one split, written together."""
+
+    def __init__(self, directory: Path, name: str) -> None:
+        import hashlib
+
+        self.name = name
+        self.rows = 0
+        self._jsonl = open(directory / f"{name}.jsonl", "wb")  # noqa: SIM115 - closed by close()
+        self._digest = hashlib.sha256()
+        self._arrow = StreamWriter(directory / f"{name}.arrow", PREPARED_SCHEMA)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        data = b"".join(batch.column("json_line").to_pylist())
+        self._jsonl.write(data)
+        self._digest.update(data)
+        self._arrow.write(batch.select(PREPARED_SCHEMA.names))
+        self.rows += batch.num_rows
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        self._jsonl.close()
+        arrow = self._arrow.close()
+        return {
+            f"{self.name}.jsonl": {"rows": self.rows, "sha256": self._digest.hexdigest()},
+            f"{self.name}.arrow": {"rows": arrow.rows, "sha256": arrow.sha256},
+        }

@@ -1,0 +1,12 @@
+"""Test-wide fixtures: every test gets its own tokenised-pairs cache (issue 20), so no test sees another's entries."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _private_pairs_cache(tmp_path_factory, monkeypatch):
+    """``HF_DATASETS_CACHE`` (where ``dataset_cache_dir`` defaults to) is a fresh directory for each test; processes
+    a test launches inherit it."""
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets_cache")))
