@@ -364,7 +364,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "grad_accum": args.ga,
         **budget_fields(args, log, steps),
         "reference_backend": type(trainer.reference).__name__,
-        "reference_zero_stage": getattr(trainer.reference_manager.backend_if_built, "zero_stage", None),
+        "reference_zero_stage": getattr(trainer.reference_manager.reference_if_built, "zero_stage", None),
         "zero3_leaf_classes": list(getattr(trainer, "zero3_leaf_classes", ())),
         **fsdp_fields(trainer),
         **step_stats(dts),

@@ -164,9 +164,10 @@ def fsdp_fields(trainer: Any) -> dict[str, Any]:
         return {"fsdp2": False, "reference_fsdp": None, "fsdp_param_dtype": None}
     from torch.distributed.tensor import DTensor
 
-    reference = getattr(trainer.reference_manager.backend_if_built, "model", None)
+    built = trainer.reference_manager.reference_if_built
+    reference = built.model if built is not None else None
     layout = None
-    if isinstance(reference, torch.nn.Module):
+    if reference is not None:
         layout = "sharded" if any(isinstance(p, DTensor) for p in reference.parameters()) else "replicated"
     dtype = getattr(plugin.mixed_precision_policy, "param_dtype", None)
     return {"fsdp2": True, "reference_fsdp": layout, "fsdp_param_dtype": str(dtype) if dtype else None}

@@ -38,7 +38,7 @@ from pair_dpo_trainer.collators.step import StepBatch
 __all__ = ["microbatch_sync", "run_step"]
 
 
-def microbatch_sync(accelerator: Any, model: torch.nn.Module, *, last: bool) -> contextlib.AbstractContextManager:
+def microbatch_sync(accelerator: Any, model: Any, *, last: bool) -> contextlib.AbstractContextManager:
     """Sets up gradient synchronisation for one micro-batch of a step; returns the context to run it in.
 
     Args:
@@ -75,9 +75,10 @@ def run_step(
         The sum of the micro-batches' losses (0-d, detached): with the loss scale of ``compute_loss``, this rank's
         share of the step's mean loss, which HF accumulates and averages over ranks for logging.
     """
-    total = None
+    total: torch.Tensor | None = None
     for index, microbatch in enumerate(step.microbatches):
         with microbatch_sync(accelerator, model, last=index == len(step) - 1):
             loss = microbatch_step(microbatch)
         total = loss if total is None else total + loss
+    assert total is not None, "a StepBatch holds at least one micro-batch"
     return total

@@ -1,12 +1,13 @@
 """The CUDA caching allocator setting ``train.py`` applies when the user has not chosen one.
 
 Packed micro-batches change length every step (with a token budget they vary up to the budget), so the caching
-allocator's fixed-size segments fragment: on a long-tailed length mix a 1.5B model reserved 138.6 of 141 GiB for a
-114 GiB allocated peak, and ``expandable_segments:True`` (segments that grow in place) cut that to 116 GiB at the same
-speed (``docs/benchmarks.md``). ``train.py`` therefore sets ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``
-before CUDA initialises, unless either allocator variable is already set (any value, e.g.
-``expandable_segments:False``, keeps PyTorch's choice; set it to opt out). Library use (``PairDPOTrainer`` in your own
-script) changes nothing: call :func:`default_cuda_allocator` first thing, or set the variable yourself.
+allocator's fixed-size segments fragment (reserved memory far above the allocated peak on a long-tailed length mix);
+``expandable_segments:True`` (segments that grow in place) reserves close to the peak at the same speed (measured:
+``docs/benchmarks.md``, token-budget section). ``train.py`` therefore sets
+``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`` before CUDA initialises, unless either allocator variable is
+already set (any value, e.g. ``expandable_segments:False``, keeps PyTorch's choice; set it to opt out). Library use
+(``PairDPOTrainer`` in your own script) changes nothing: call :func:`default_cuda_allocator` first thing, or set the
+variable yourself.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from pair_dpo_trainer.modeling.compile import compile_mode_problem
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_modules_problem
 from pair_dpo_trainer.options import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.reference.engine import ref_zero_stage_problem
+from pair_dpo_trainer.run_checks import raise_problems
 
 ATTN_BACKENDS = ("auto", *BACKENDS)
 DEFAULT_MAX_PROMPT_LENGTH = 512
@@ -279,7 +280,7 @@ class PairDPOConfig(TrainingArguments):
         default=10,
         metadata={"help": "Log every N optimizer steps (or a ratio of the total steps if < 1); default 10."},
     )
-    bf16: bool | None = field(
+    bf16: bool | None = field(  # type: ignore[assignment]  # None: launch.resolve_bf16 decides in __post_init__
         default=None,
         metadata={
             "help": "bf16 mixed precision. Unset: on when an accelerator with bf16 support is used and neither fp16, "
@@ -297,13 +298,7 @@ class PairDPOConfig(TrainingArguments):
         self._normalize_loss_fields()
         if self.max_prompt_length is None and isinstance(self.max_length, int):
             self.max_prompt_length = default_max_prompt_length(self.max_length)
-        problems = self._pair_dpo_problems()
-        if problems:
-            code = problems[0][0] if len(problems) == 1 else "invalid_config"
-            lines = "\n".join(f"  - [{c}] {text}" for c, text in problems)
-            error = ConfigError(code, f"PairDPOConfig has {len(problems)} invalid option(s):\n{lines}")
-            error.problems = problems
-            raise error
+        raise_problems(self._pair_dpo_problems(), what="PairDPOConfig")  # every problem, raised once
         self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
         self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
         super().__post_init__()
@@ -318,7 +313,7 @@ class PairDPOConfig(TrainingArguments):
             problems.append(
                 (
                     "reference_conflict",
-                    f"{self._no_reference_reason()} builds no reference: remove ref_model_name_or_path / "
+                    f"{self.no_reference_reason()} builds no reference: remove ref_model_name_or_path / "
                     "ref_model_revision, or use a loss_type with a reference and reference_free=False.",
                 )
             )
@@ -326,7 +321,7 @@ class PairDPOConfig(TrainingArguments):
             problems.append(
                 (
                     "unsupported_combination",
-                    f"precompute_ref_log_probs=True has nothing to precompute with {self._no_reference_reason()} (no "
+                    f"precompute_ref_log_probs=True has nothing to precompute with {self.no_reference_reason()} (no "
                     "reference log-probs are used): set precompute_ref_log_probs=False.",
                 )
             )
@@ -352,26 +347,25 @@ class PairDPOConfig(TrainingArguments):
 
     def _reference_engine_problems(self) -> list[tuple[str, str]]:
         """``zero3_leaf_modules``, ``ref_zero_stage`` / ``ref_offload_params``; the checks that need the DeepSpeed
-        configuration are in the trainer (``modeling.zero3``) and ``reference/``."""
+        configuration are in ``run_checks.run_problems``."""
         stage = self.ref_zero_stage
+        problems: list[tuple[str, str]] = []
         leaf_problem = zero3_leaf_modules_problem(self.zero3_leaf_modules)
         if leaf_problem is not None:
-            return [("bad_zero3_leaf_modules", leaf_problem)]
-        if stage is None:
-            return []
-        problem = ref_zero_stage_problem(stage)
-        if problem is not None:
-            return [("bad_ref_zero_stage", problem)]
+            problems.append(("bad_zero3_leaf_modules", leaf_problem))
+        stage_problem = None if stage is None else ref_zero_stage_problem(stage)
+        if stage_problem is not None:
+            problems.append(("bad_ref_zero_stage", stage_problem))
         if stage == 0 and self.ref_offload_params:
-            return [
+            problems.append(
                 (
                     "unsupported_combination",
                     "ref_zero_stage=0 replicates the reference on every accelerator, but ref_offload_params=True "
                     "offloads the parameters of a sharded (ZeRO-3) reference: set ref_zero_stage=3 (or leave it "
                     "unset) to offload, or ref_offload_params=False / unset to replicate.",
                 )
-            ]
-        return []
+            )
+        return problems
 
     def _fsdp_problems(self) -> list[tuple[str, str]]:
         """``ref_fsdp_shard``; the checks that need the FSDP plugin are in ``modeling.fsdp2`` and ``reference.fsdp``."""
@@ -435,7 +429,7 @@ class PairDPOConfig(TrainingArguments):
         problems: list[tuple[str, str]] = []
         if self.max_length <= 1:
             problems.append(("bad_length", f"max_length={self.max_length}: set a value > 1."))
-        if not 0 < self.max_prompt_length < self.max_length:
+        if self.max_prompt_length is None or not 0 < self.max_prompt_length < self.max_length:
             problems.append(
                 (
                     "bad_length",
@@ -469,7 +463,8 @@ class PairDPOConfig(TrainingArguments):
             OBJECTIVES[name].reference if name in OBJECTIVES else True for name in self.loss_type
         )
 
-    def _no_reference_reason(self) -> str:
+    def no_reference_reason(self) -> str:
+        """Why the run builds no reference, for messages (``reference_free=True`` or the reference-free losses)."""
         return "reference_free=True" if self.reference_free else f"loss_type={self.loss_type} (reference-free)"
 
     # ------------------------------------------------------------------ issue 16: objectives
@@ -484,7 +479,7 @@ class PairDPOConfig(TrainingArguments):
     @property
     def ref_logps_cache_path(self) -> str:
         """The directory of the precomputed reference log-prob cache (``ref_logps_cache_dir`` or its default)."""
-        return self.ref_logps_cache_dir or os.path.join(self.output_dir, "ref_logps_cache")
+        return self.ref_logps_cache_dir or os.path.join(str(self.output_dir), "ref_logps_cache")
 
     @property
     def pairs_per_rank_per_step(self) -> int:

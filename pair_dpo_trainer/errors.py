@@ -26,8 +26,26 @@ class PreferenceRowError(PairDPOError, ValueError):
     """A dataset row that cannot become a valid preference pair."""
 
 
+Problem = tuple[str, str]
+"""One ``(reason_code, message)`` of a collect-all check (``PairDPOConfig`` and ``run_checks.run_problems``)."""
+
+
 class ConfigError(PairDPOError, ValueError):
-    """An invalid configuration value or an unsupported combination of options."""
+    """An invalid configuration value or an unsupported combination of options.
+
+    Args:
+        reason_code: As for :class:`PairDPOError` (``invalid_config`` when several problems are raised at once).
+        message: As for :class:`PairDPOError`.
+        problems: Every ``(reason_code, message)`` found by the check that raised (``[(reason_code, message)]``
+            when the error was raised for one problem).
+
+    Attributes:
+        problems: The list above, so a caller (or test) reads every problem without parsing the message.
+    """
+
+    def __init__(self, reason_code: str, message: str, problems: list[Problem] | None = None) -> None:
+        super().__init__(reason_code, message)
+        self.problems: list[Problem] = problems if problems is not None else [(reason_code, message)]
 
 
 class ScheduleError(PairDPOError):
@@ -39,7 +57,15 @@ class RunError(PairDPOError):
 
 
 class CheckpointError(PairDPOError):
-    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data)."""
+    """A checkpoint cannot be written (e.g. ``disk_full``) or resumed from (incomplete, missing, other data).
+
+    Attributes:
+        directory: For ``disk_full``: the run directory whose filesystem filled up (else None).
+        free_bytes: For ``disk_full``: the free bytes measured there (None when unknown).
+    """
+
+    directory: str | None = None
+    free_bytes: int | None = None
 
 
 _REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"

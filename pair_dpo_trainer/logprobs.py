@@ -5,8 +5,8 @@ The packed path never materialises ``[T, V]`` logits: the final hidden states of
 ``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
 log-sum-exps and recomputes each chunk's logits in backward (one extra ``[c, H] x [H, V]`` matmul per chunk).
 Temporaries are a few ``[chunk_size, V]`` tensors, plus a float32 ``[V, H]`` gradient accumulator in backward
-when the head weight is bf16/fp16. Measured on an H200 (bf16, V=152064, N=16384, H=2048, chunk 4096, fwd+bwd):
-peak 4.70 GiB chunked vs 27.84 GiB naive, 113.5 ms vs 75.7 ms.
+when the head weight is bf16/fp16: a fraction of the naive path's peak memory for some extra time (measured:
+``docs/benchmarks.md``, "Packed log-probs and attention").
 
 The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
 sums use ``index_add`` with ``sequence_index``.
@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from pair_dpo_trainer.collators.packed import CHOSEN, IGNORE_INDEX, REJECTED, PackedPairBatch
+from pair_dpo_trainer.collators.packed import IGNORE_INDEX, PackedPairBatch, split_pairs
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs, unwrap_model
@@ -196,7 +196,7 @@ def naive_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
 
 
 def module_chunked_token_logps(
-    head: torch.nn.Module,
+    head: Any,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
@@ -223,7 +223,7 @@ def module_chunked_token_logps(
         del head.forward
 
 
-def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
+def check_supported_head(model: torch.nn.Module) -> Any:
     """Return the LM head of ``model`` after checking that logits are a plain ``hidden @ weight.T``.
 
     Raises:
@@ -249,7 +249,7 @@ def check_supported_head(model: torch.nn.Module) -> torch.nn.Module:
     return head
 
 
-def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
+def _check_varlen(model: torch.nn.Module) -> Any:
     """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)."""
     target = unwrap_model(model)
     implementation = str(target.config._attn_implementation)
@@ -264,7 +264,7 @@ def _check_varlen(model: torch.nn.Module) -> torch.nn.Module:
 
 def in_forward_token_logps(
     model: torch.nn.Module,
-    head: torch.nn.Module,
+    head: Any,
     batch: PackedPairBatch,
     targets: torch.Tensor,
     chunk_size: int,
@@ -290,7 +290,7 @@ def in_forward_token_logps(
     """
     _check_varlen(model)
 
-    def chunked_forward(rows: torch.Tensor) -> torch.Tensor:
+    def chunked_forward(rows: torch.Tensor) -> Any:
         result = chunked_token_logps(
             rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size, with_stats=with_stats
         )
@@ -387,7 +387,7 @@ def packed_sequence_logps(
 
     Returns:
         ``[2n]`` float32 log-probs in sequence order (chosen, rejected, chosen, ...); see
-        :func:`split_pair_logps`.
+        :func:`~pair_dpo_trainer.collators.packed.split_pairs`.
 
     Raises:
         ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
@@ -395,7 +395,7 @@ def packed_sequence_logps(
     token_logps, _, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=False)
     if batch.token_weights is not None:
         token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
-    return _sequence_sums(token_logps, sequences, batch.pair_index.shape[0])
+    return _sequence_sums(token_logps, sequences, batch.num_sequences)
 
 
 def packed_policy_logps(
@@ -413,7 +413,7 @@ def sequence_logps_from_tokens(
 ) -> SequenceLogps:
     """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
     their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order)."""
-    n = batch.pair_index.shape[0]
+    n = batch.num_sequences
     plain = _sequence_sums(token_logps, sequences, n)
     if batch.token_weights is None:
         logps = plain
@@ -442,7 +442,7 @@ def length_desensitized_weights(batch: PackedPairBatch, alpha: float) -> torch.T
     counts = torch.zeros(n + 1, dtype=torch.float64, device=ones.device).index_add_(0, sequences, ones)[:n]
     starts = counts.cumsum(0) - counts
     rank = torch.arange(sequences.shape[0], device=ones.device, dtype=torch.float64) - starts[sequences]
-    shared = torch.minimum(counts[0::2], counts[1::2]).repeat_interleave(2)
+    shared = torch.minimum(*split_pairs(counts)).repeat_interleave(2)
     return torch.where(rank < shared[sequences], ones, ones * alpha)
 
 
@@ -470,18 +470,6 @@ def padded_sequence_logps(model: torch.nn.Module, batch: PaddedPairBatch) -> tor
     return (token_logps * batch.completion_mask).sum(dim=-1)
 
 
-def split_pair_logps(seq_logps: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``[2n]`` per-sequence log-probs into ``(chosen [n], rejected [n])`` (views, no copy).
-
-    The collators order sequences pair by pair with ``branch == [0, 1, 0, 1, ...]`` (chosen first), so the
-    chosen values are the even entries and the rejected ones the odd entries.
-    """
-    if seq_logps.ndim != 1 or seq_logps.shape[0] % 2:
-        raise ValueError(f"expected [2n] per-sequence log-probs, got shape {tuple(seq_logps.shape)}")
-    pairs = seq_logps.view(-1, 2)
-    return pairs[:, CHOSEN], pairs[:, REJECTED]
-
-
 __all__ = [
     "DEFAULT_CHUNK_SIZE",
     "IGNORE_INDEX",
@@ -499,6 +487,5 @@ __all__ = [
     "packed_sequence_logps",
     "padded_sequence_logps",
     "sequence_logps_from_tokens",
-    "split_pair_logps",
     "with_length_desensitization",
 ]

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pair_dpo_trainer.collators.packed import split_pairs
 from pair_dpo_trainer.losses import PairLogps
 
 METRIC_NAMES = (
@@ -45,7 +46,7 @@ TOKEN_METRIC_NAMES = ("logits/chosen", "logits/rejected", "entropy", "mean_token
 def _token_sums(logps: PairLogps, token_stats: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``[8]`` numerators then denominators of :data:`TOKEN_METRIC_NAMES` (``token_stats``: ``[2n, 4]`` sums)."""
     stats = token_stats.detach().to(torch.float64)
-    chosen, rejected = stats[0::2], stats[1::2]
+    chosen, rejected = split_pairs(stats)
     n_chosen = logps.chosen_token_counts.to(torch.float64)
     n_rejected = logps.rejected_token_counts.to(torch.float64)
     numerators = torch.stack([chosen[:, 0], rejected[:, 0], chosen[:, 1] + rejected[:, 1], chosen[:, 2]])

@@ -28,11 +28,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pair_dpo_trainer.distributed import all_gather_cpu
 from pair_dpo_trainer.errors import ScheduleError
 from pair_dpo_trainer.portable import freeze_exception, thaw_exception
+
+if TYPE_CHECKING:
+    from transformers import TrainingArguments
 
 T = TypeVar("T")
 
@@ -74,7 +77,7 @@ class Node:
     store: Any = None
 
     @classmethod
-    def from_args(cls, args: Any) -> Node:
+    def from_args(cls, args: TrainingArguments) -> Node:
         """The node of a ``TrainingArguments`` process (its ranks, world size and ``ddp_timeout``)."""
         return cls(
             node_id=args.process_index - args.local_process_index,

@@ -114,9 +114,8 @@ def reject_unsupported_options(
     problems = unsupported_option_problems(names, table=table, known=known)
     if problems:
         lines = "\n".join(f"  - {text}" for _, text in problems)
-        error = ConfigError("unsupported_option", f"{where} got {len(problems)} unsupported option(s):\n{lines}")
-        error.problems = problems
-        raise error
+        message = f"{where} got {len(problems)} unsupported option(s):\n{lines}"
+        raise ConfigError("unsupported_option", message, problems=problems)
 
 
 def config_field_names(cls: type) -> set[str]:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 
-def reference_mode(args: Any, source: Any) -> str:
+def reference_mode(args: PairDPOConfig, source: Any) -> str:
     """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``), and
     ``replicated (ref_zero_stage=0)`` when asked for."""
     if not args.uses_reference:
@@ -16,7 +19,7 @@ def reference_mode(args: Any, source: Any) -> str:
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
 
 
-def _microbatches(args: Any) -> str:
+def _microbatches(args: PairDPOConfig) -> str:
     """How a rank's pairs of a step are split: a fixed count, or the token budget (``pad_to_budget`` noted)."""
     budget = getattr(args, "max_tokens_per_microbatch", None)
     if budget is None:
@@ -26,7 +29,12 @@ def _microbatches(args: Any) -> str:
 
 
 def run_summary(
-    args: Any, *, attn_backend: str, source: Any, zero3_leaf_classes: tuple[str, ...] = (), fsdp2: bool = False
+    args: PairDPOConfig,
+    *,
+    attn_backend: str,
+    source: Any,
+    zero3_leaf_classes: tuple[str, ...] = (),
+    fsdp2: bool = False,
 ) -> str:
     """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, the
     ZeRO-3 leaf module classes when there are any, and FSDP2 with the reference's layout when it runs.
@@ -48,7 +56,7 @@ def run_summary(
     )
 
 
-def objective_summary(args: Any) -> str:
+def objective_summary(args: PairDPOConfig) -> str:
     """``sigmoid``, or a mixture as ``0.8*sigmoid + 0.2*bco_pair + 1*sft``, plus the per-token options in use."""
     names = list(args.loss_type)
     weights = args.loss_weights

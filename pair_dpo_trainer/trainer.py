@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.profiler import record_function
@@ -28,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, T
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.accumulation import run_step
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator, split_pairs
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
@@ -40,14 +40,22 @@ from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallba
 from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.modeling.fsdp2 import check_evaluable, check_fsdp_version, full_state_dict, setup_fsdp2
+from pair_dpo_trainer.modeling.fsdp2 import (
+    check_evaluable,
+    check_fsdp_version,
+    find_fsdp2_plugin,
+    full_state_dict,
+    setup_fsdp2,
+)
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
 from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
+from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
-from pair_dpo_trainer.reference.source import resolve_reference_source
+from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
+from pair_dpo_trainer.run_checks import RunSetup, raise_problems, run_problems
 from pair_dpo_trainer.runtime import RunGuard
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
@@ -60,8 +68,9 @@ class PairDataLoader(DataLoader):
     """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch)."""
 
     def set_epoch(self, epoch: int) -> None:
-        if hasattr(self.batch_sampler, "set_epoch"):
-            self.batch_sampler.set_epoch(epoch)
+        sampler: Any = self.batch_sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
 
 
 class PairDPOTrainer(Trainer):
@@ -79,6 +88,8 @@ class PairDPOTrainer(Trainer):
     """
 
     loss_is_scaled_for_ga = True
+    args: PairDPOConfig  # narrows the Trainer's TrainingArguments (checked in __init__)
+    model: torch.nn.Module  # the policy (set by Trainer.__init__, never None here)
 
     def __init__(
         self,
@@ -97,14 +108,15 @@ class PairDPOTrainer(Trainer):
                 f"PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass), got "
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
-        model, policy_source, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
+        model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(policy_source or model.name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
+        self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         super().__init__(
             model=model,
             args=args,
-            data_collator=PackedPairCollator(
+            data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
             ),
@@ -142,8 +154,21 @@ class PairDPOTrainer(Trainer):
         drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
         check_fsdp_version(self.args)
         super().create_accelerator_and_postprocess()
+        raise_problems(run_problems(self.args, self._run_setup()))  # the one runtime check: every problem at once
         self.fsdp_plugin = setup_fsdp2(self.accelerator, self.args)
         self.is_fsdp_enabled = self.fsdp_plugin is not None
+
+    def _run_setup(self) -> RunSetup:
+        """What the runtime checks read besides the config (``run_checks``), right after the Accelerator exists."""
+        ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
+        return RunSetup(
+            deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
+            fsdp_plugin=find_fsdp2_plugin(self.accelerator, self.args),
+            process_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
+            attn_backend=self.attn_backend,
+            zero3=ds_plugin is not None and ds_plugin.zero_stage == 3,
+            **self._given,
+        )
 
     @staticmethod
     def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
@@ -153,7 +178,7 @@ class PairDPOTrainer(Trainer):
             dataset,
             tokenizer,
             max_length=args.max_length,
-            max_prompt_length=args.max_prompt_length,
+            max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
             desc=desc,
@@ -162,16 +187,18 @@ class PairDPOTrainer(Trainer):
 
     # ------------------------------------------------------------------ reference
     @property
-    def reference(self) -> Any:
-        """The reference backend (``sequence_logps``), see :mod:`pair_dpo_trainer.reference.manager`."""
-        return self.reference_manager.backend
+    def reference(self) -> Reference:
+        """The reference (``sequence_logps``), see :mod:`pair_dpo_trainer.reference.manager`."""
+        return self.reference_manager.reference
 
     @property
     def reference_identity(self) -> Any:
         """The reference identity written beside every checkpoint (None when reference-free)."""
         return self.reference_manager.identity
 
-    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any):
+    def train(  # type: ignore[override]  # the Trainer's keywords pass through **kwargs
+        self, resume_from_checkpoint: str | bool | None = None, **kwargs: Any
+    ) -> Any:
         """``Trainer.train``, after the reference is ready: built (DeepSpeed: its own engine) or precomputed, and on
         resume proven to be the one the checkpoint was trained against, before any checkpoint state is restored.
 
@@ -208,20 +235,8 @@ class PairDPOTrainer(Trainer):
     # ------------------------------------------------------------------ torch.compile
     def _take_over_compile(self) -> None:
         """``torch_compile=True`` compiles the decoder layers in place (see ``modeling.compile``), not the whole
-        model: accelerate's whole-model compile is switched off here, so it is never applied as well."""
-        if self.is_deepspeed_enabled and self.accelerator.state.deepspeed_plugin.zero_stage == 3:
-            raise ConfigError(
-                "unsupported_combination",
-                "torch_compile=True is not supported with DeepSpeed ZeRO-3 (its per-module parameter hooks cannot be "
-                "traced inside a compiled layer): set torch_compile=False, or use a single GPU, DDP or ZeRO-1/2.",
-            )
-        if self.attn_backend == "sdpa_segments":
-            raise ConfigError(
-                "unsupported_combination",
-                "torch_compile=True needs a varlen attention kernel (attn_backend 'torch_varlen' or 'flash_attn': a "
-                "CUDA device with bf16/fp16); 'sdpa_segments' reads the segment bounds on the host, which splits every "
-                "compiled layer into pieces that recompile as the packed rows change: set torch_compile=False here.",
-            )
+        model: accelerate's whole-model compile is switched off here, so it is never applied as well (ZeRO-3 and the
+        SDPA kernel are refused by ``run_checks.compile_problems``)."""
         from accelerate.utils import DynamoBackend
 
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
@@ -231,11 +246,11 @@ class PairDPOTrainer(Trainer):
         reference copied from the policy is copied uncompiled). Idempotent."""
         if not self.args.torch_compile:
             return
-        options = {"backend": self.args.torch_compile_backend or "inductor", "mode": self.args.torch_compile_mode}
-        compile_decoder_layers(self.model, **options)
-        reference_model = getattr(self.reference_manager.backend_if_built, "model", None)
-        if isinstance(reference_model, torch.nn.Module):
-            compile_decoder_layers(reference_model, **options)
+        backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
+        compile_decoder_layers(self.model, backend=backend, mode=mode)
+        reference = self.reference_manager.reference_if_built
+        if reference is not None and reference.model is not None:
+            compile_decoder_layers(reference.model, backend=backend, mode=mode)
 
     def _reference_datasets(self) -> dict[str, Any]:
         """The datasets a precomputed reference covers: the train set and every eval set."""
@@ -284,14 +299,16 @@ class PairDPOTrainer(Trainer):
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
         if isinstance(sampler, PairStepSampler):
-            return self._loader(StepPairs(dataset), sampler, PairDataLoader, StepCollator(self.data_collator))
+            return self._loader(
+                StepPairs(dataset), sampler, PairDataLoader, StepCollator(cast(PackedPairCollator, self.data_collator))
+            )
         return self._loader(dataset, sampler, PairDataLoader)
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> DataLoader:
         """Every eval pair once; equal micro-batch counts on all ranks (weight-0 fillers: ``samplers.evaluation``)."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
-            dataset = self.eval_dataset[dataset]
+            dataset = cast(dict, self.eval_dataset)[dataset]
         sampler = EvalBatchSampler(
             self._costs(dataset),
             world_size=self.args.world_size,
@@ -331,6 +348,7 @@ class PairDPOTrainer(Trainer):
         batch_samples = self.objective_runtime.attach_step_contexts(  # sft / bco_pair / aot need the step (collective)
             batch_samples, margins_fn=self._pair_logps_without_grad, pairs_per_rank=self.args.pairs_per_rank_per_step
         )
+        assert self._train_sampler is not None, "get_train_dataloader ran before the first step"
         return batch_samples, self._train_sampler.global_pairs_per_step
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -345,7 +363,7 @@ class PairDPOTrainer(Trainer):
             )
         return super().training_step(model, inputs, num_items_in_batch)
 
-    def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:
+    def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:  # type: ignore[override]  # not a dict
         """The batch on the device, with LD-DPO token weights when ``ld_alpha`` is set (device ops, no sync)."""
         return with_length_desensitization(inputs.to(self.args.device, non_blocking=True), self.args.ld_alpha)
 
@@ -358,7 +376,7 @@ class PairDPOTrainer(Trainer):
             )
             return pair_logps_from_sequences(policy, self.reference.sequence_logps(inputs), inputs)
 
-    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:
+    def floating_point_ops(self, inputs: PackedPairBatch | StepBatch) -> int:  # type: ignore[override]  # not a dict
         """6 N T for the policy's forward and backward plus 2 N T for the reference forward (host-known T).
 
         N (non-embedding parameters, ZeRO-3 partitions counted whole) is counted once and cached: this runs per
@@ -371,7 +389,9 @@ class PairDPOTrainer(Trainer):
         return (6 + ref_flops + prepass_flops) * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None):
+    def compute_loss(  # type: ignore[override]  # a PackedPairBatch, not HF's dict of tensors
+        self, model, inputs: PackedPairBatch, return_outputs: bool = False, num_items_in_batch=None
+    ):
         """Per-pair DPO losses of one micro-batch, scaled as the module docstring explains."""
         with record_function("pair_dpo::policy_logps"):  # profiler ranges: per-region host time in bench_dpo
             policy = packed_policy_logps(model, inputs, chunk_size=self.args.logps_chunk_size)
@@ -421,7 +441,8 @@ class PairDPOTrainer(Trainer):
                 self.control = self.callback_handler.on_prediction_step(self.args, self.state, self.control)
         reduced = metrics.reduce(self.args.device, prefix=f"{metric_key_prefix}_")
         num_samples = len(dataloader.dataset)
-        return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)
+        # no predictions (prediction_loss_only in effect), as the Trainer's own loop returns for that case
+        return EvalLoopOutput(predictions=None, label_ids=None, metrics=reduced, num_samples=num_samples)  # type: ignore[arg-type]
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Adds the pair metrics accumulated since the last training log (reduced over ranks here, only here)."""
@@ -432,32 +453,35 @@ class PairDPOTrainer(Trainer):
         super().log(logs, start_time)
 
 
-def _load_policy(model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool):
+def _load_policy(
+    model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool
+) -> tuple[PreTrainedModel, str | None, ReferenceSource | None]:
     """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
 
     Returns:
-        ``(policy, policy_source, reference_source)``: ``policy_source`` is the directory the policy was loaded
+        ``(policy, policy_dir, reference_source)``: ``policy_dir`` is the directory the policy was loaded
         from (None when passed in memory).
     """
-    policy_source = str(model) if isinstance(model, (str, Path)) else None
-    if policy_source is not None:  # named as the policy, before the reference (by default this path) is looked at
-        require_model_directory(policy_source, role="policy", option="model", code="model_not_found")
+    policy_dir = str(model) if isinstance(model, (str, Path)) else None
+    if policy_dir is not None:  # named as the policy, before the reference (by default this path) is looked at
+        require_model_directory(policy_dir, role="policy", option="model", code="model_not_found")
     reference_source = resolve_reference_source(
         args,
-        policy_source=policy_source,
+        policy_dir=policy_dir,
         policy_name_or_path=getattr(model, "name_or_path", None),
         ref_model_given=ref_model_given,
     )
-    if policy_source is not None:
-        ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-        model = AutoModelForCausalLM.from_pretrained(policy_source)
-    return model, policy_source, reference_source
+    if isinstance(model, PreTrainedModel) or policy_dir is None:
+        return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
+    ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
+    return AutoModelForCausalLM.from_pretrained(policy_dir), policy_dir, reference_source
 
 
 def pair_logps_from_sequences(
     policy: SequenceLogps | torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
 ) -> PairLogps:
-    """Splits per-sequence ``[2n]`` log-probs (chosen at even, rejected at odd positions) into :class:`PairLogps`.
+    """Splits per-sequence ``[2n]`` log-probs into :class:`PairLogps` (the collators' layout:
+    :func:`~pair_dpo_trainer.collators.packed.split_pairs`).
 
     ``policy`` is the policy pass (:class:`~pair_dpo_trainer.logprobs.SequenceLogps`: LD-weighted and plain sums,
     per-token statistics) or a plain ``[2n]`` tensor.
@@ -466,17 +490,19 @@ def pair_logps_from_sequences(
         policy = SequenceLogps(logps=policy, nll_logps=policy)
     counts = completion_token_counts(batch)
     logps, stats = policy.logps, policy.token_stats
-    wpo = stats[:, 3] if stats is not None else None
+    chosen_wpo, rejected_wpo = split_pairs(stats[:, 3]) if stats is not None else (None, None)
+    (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = split_pairs(logps), split_pairs(ref_logps)
+    chosen_counts, rejected_counts = split_pairs(counts)
     return PairLogps(
-        policy_chosen_logps=logps[0::2],
-        policy_rejected_logps=logps[1::2],
-        ref_chosen_logps=ref_logps[0::2],
-        ref_rejected_logps=ref_logps[1::2],
-        chosen_token_counts=counts[0::2],
-        rejected_token_counts=counts[1::2],
-        policy_chosen_nll_logps=None if policy.nll_logps is logps else policy.nll_logps[0::2],
-        chosen_wpo_logps=None if wpo is None else wpo[0::2],
-        rejected_wpo_logps=None if wpo is None else wpo[1::2],
+        policy_chosen_logps=policy_chosen,
+        policy_rejected_logps=policy_rejected,
+        ref_chosen_logps=ref_chosen,
+        ref_rejected_logps=ref_rejected,
+        chosen_token_counts=chosen_counts,
+        rejected_token_counts=rejected_counts,
+        policy_chosen_nll_logps=None if policy.nll_logps is logps else split_pairs(policy.nll_logps)[0],
+        chosen_wpo_logps=chosen_wpo,
+        rejected_wpo_logps=rejected_wpo,
     )
 
 

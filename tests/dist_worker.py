@@ -2,7 +2,8 @@
 
 Phases (each writes its result under OUT_DIR for the test process to compare):
   dp2_ga1 / dp2_ga2: one 5-step training run each (same global batch of 8 pairs as the test's DP=1, GA=2 run);
-      rank 0 saves the gradient of the first optimizer step and the loss curve.
+      rank 0 saves the gradient of the first optimizer step and the loss curve; then an eval over EVAL_PAIRS pairs
+      in micro-batches of EVAL_BATCH pairs, whose last step leaves rank 1 a weight-0 filler.
   dp2_ga2_pre: dp2_ga2 with ``precompute_ref_log_probs`` (each rank computes its share, gathered over gloo): the same
       loss curve as dp2_ga2 with the online reference.
   dp2_budget: the same global batch with a token budget (4 pairs per rank per step packed into 2-4 micro-batches of
@@ -34,6 +35,8 @@ NUM_PAIRS = 64
 GLOBAL_PAIRS = 8
 BUDGET = 48  # synthetic pairs cost 11-42 tokens here; the 4 pairs of a rank's step need 2-4 micro-batches of <= 48
 EVAL_PAIRS = 13
+EVAL_BATCH = 6
+"""Fixed-count eval micro-batches: 13 pairs in steps of 2 * 6, so the last step's one pair leaves rank 1 a filler."""
 OBJECTIVE_STEPS = 3
 """Enough for BCO's running mean (steps 2-3 use the previous steps' rewards) and TR-DPO syncs (every step)."""
 OBJECTIVE_TRAINING = {"optim": "sgd", "learning_rate": 2e-2}
@@ -136,11 +139,12 @@ def run_layout(
 ) -> dict:
     """Trains ``steps`` steps and returns the first-step and per-step gradients, the loss curve, the all-reduces per
     step under DDP and, with a budget, the micro-batch counts of the steps and (``evaluate``) the metrics of an eval
-    over ``EVAL_PAIRS`` pairs."""
+    over ``EVAL_PAIRS`` pairs (fixed count: micro-batches of ``EVAL_BATCH``) with its weight-0 fillers per rank."""
     recorder = FirstStepGradients()
     pairs = synthetic_pairs(NUM_PAIRS) if pairs is None else pairs
-    evaluate = evaluate and ga is None
     eval_pairs = synthetic_pairs(EVAL_PAIRS, seed=9) if evaluate else None
+    if evaluate and ga is not None:
+        kwargs.setdefault("per_device_eval_batch_size", EVAL_BATCH)
     trainer = build_trainer(
         out_dir / name, pairs, world_size=world_size, ga=ga, max_steps=steps, eval_pairs=eval_pairs, **kwargs
     )
@@ -157,7 +161,26 @@ def run_layout(
         result["microbatch_counts"] = trainer._train_sampler.microbatch_counts()[:steps]
     if evaluate:
         result["eval"] = trainer.evaluate()
+        result["eval_fillers"] = eval_fillers(trainer)
     return result
+
+
+def eval_fillers(trainer: PairDPOTrainer) -> list[int]:
+    """Weight-0 filler pairs of each rank's eval schedule (the same plan the trainer's eval dataloader ran)."""
+    from pair_dpo_trainer.samplers.evaluation import plan_eval
+
+    costs, args = trainer._costs(trainer.eval_dataset), trainer.args
+    plans = [
+        plan_eval(
+            costs,
+            world_size=args.world_size,
+            rank=rank,
+            pairs_per_microbatch=args.per_device_eval_batch_size,
+            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        )
+        for rank in range(args.world_size)
+    ]
+    return [sum(weight == 0.0 for batch in plan for _, weight in batch) for plan in plans]
 
 
 def objective_options(name: str) -> dict:

@@ -82,6 +82,34 @@ def cpu_config(tmp_path, **overrides):
     return PairDPOConfig(**options)
 
 
+def run_setup(**overrides):
+    """A ``run_checks.RunSetup`` of a single-process CPU run (no DeepSpeed, no FSDP, no PEFT, no ``ref_model``)."""
+    from pair_dpo_trainer.run_checks import RunSetup
+
+    fields = {
+        "deepspeed_config": None,
+        "fsdp_plugin": None,
+        "process_group": False,
+        "peft_policy": False,
+        "ref_model_given": False,
+        "attn_backend": "sdpa_segments",
+        "zero3": False,
+    }
+    return RunSetup(**{**fields, **overrides})
+
+
+def runtime_error(args, **overrides):
+    """The ``ConfigError`` the trainer's one runtime check raises for ``args`` in that setup (None: none)."""
+    from pair_dpo_trainer.errors import ConfigError
+    from pair_dpo_trainer.run_checks import raise_problems, run_problems
+
+    try:
+        raise_problems(run_problems(args, run_setup(**overrides)))
+    except ConfigError as error:
+        return error
+    return None
+
+
 def random_features(
     seed: int | random.Random,
     n: int,

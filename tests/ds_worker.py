@@ -238,7 +238,7 @@ def run_compile_refused(out_dir: Path) -> dict[str, Any]:
     try:
         build_trainer(out_dir / "compile", world_size=2, torch_compile=True, torch_compile_backend="aot_eager")
     except PairDPOError as exc:
-        return {"reason_code": exc.reason_code, "message": str(exc)}
+        return {"reason_code": exc.reason_code, "message": str(exc), "problems": getattr(exc, "problems", None)}
     return {"reason_code": None}
 
 

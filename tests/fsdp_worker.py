@@ -183,8 +183,8 @@ def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
         "losses": losses(trainer, after=3),
         "params": full_parameters(trainer.model),
         "builds": trainer.reference_manager.builds,
-        "reference": sharding(trainer.reference.model) if hasattr(trainer.reference, "model") else None,
-        "reference_logps": reference_logps(trainer) if hasattr(trainer.reference, "model") else None,
+        "reference": sharding(trainer.reference.model) if trainer.reference.model is not None else None,
+        "reference_logps": reference_logps(trainer) if trainer.reference.model is not None else None,
         "identity": trainer.reference_identity.to_dict(),
     }
 

@@ -13,6 +13,7 @@ from pair_dpo_trainer.collators import (
     PackedPairCollator,
     PaddedPairBatch,
     PaddedPairCollator,
+    split_pairs,
 )
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator
 from pair_dpo_trainer.errors import PreferenceRowError
@@ -40,8 +41,7 @@ def test_packed_literal_example() -> None:
     assert torch.equal(batch.labels, _tensor([[-100, 7, 2, -100, -100, 8, 9, 2, -100]]))
     assert torch.equal(batch.completion_mask, _tensor([[F, T_, T_, F, F, T_, T_, T_, F]], torch.bool))
     assert torch.equal(batch.sequence_index, _tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]]))
-    assert torch.equal(batch.pair_index, _tensor([0, 0]))
-    assert torch.equal(batch.branch, _tensor([0, 1]))
+    assert [t.tolist() for t in split_pairs(torch.diff(batch.cu_seqlens))] == [[4], [5]]  # chosen, then rejected
     assert batch.num_pairs == 1 and batch.num_sequences == 2 and batch.num_tokens == 9
     assert torch.equal(batch.completion_positions, _tensor([1, 2, 5, 6, 7]))
 
@@ -53,7 +53,7 @@ def test_packed_pad_to_multiple_of_adds_one_unscored_segment() -> None:
     assert torch.equal(batch.cu_seqlens, _tensor([0, 4, 9, 12], torch.int32))
     assert torch.equal(batch.labels[0, 9:], _tensor([-100, -100, -100]))
     assert torch.equal(batch.sequence_index[0, 9:], _tensor([2, 2, 2]))
-    assert batch.pair_index.shape == (2,) and batch.num_sequences == 2
+    assert batch.num_sequences == 2
     # Already a multiple: no pad segment at all.
     assert PackedPairCollator(pad_to_multiple_of=9)(EXAMPLE).cu_seqlens.tolist() == [0, 4, 9]
 
@@ -93,7 +93,7 @@ def test_padded_literal_example() -> None:
     assert torch.equal(batch.attention_mask, _tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]))
     assert torch.equal(batch.labels, _tensor([[-100, 7, 2, -100, -100], [-100, 8, 9, 2, -100]]))
     assert torch.equal(batch.completion_mask, _tensor([[F, T_, T_, F, F], [F, T_, T_, T_, F]], torch.bool))
-    assert torch.equal(batch.pair_index, _tensor([0, 0])) and torch.equal(batch.branch, _tensor([0, 1]))
+    assert [t.tolist() for t in split_pairs(batch.attention_mask.sum(dim=1))] == [[4], [5]]  # chosen, then rejected
     assert PaddedPairCollator(pad_to_multiple_of=8)(EXAMPLE).input_ids.shape == (2, 8)
 
 
@@ -108,8 +108,10 @@ def test_packed_layout_invariants(seed: int) -> None:
     assert batch.input_ids[0].tolist() == [t for s in sequences for t in s]
     assert 999 not in batch.input_ids.tolist()[0]
     # Both halves of every pair, chosen first.
-    assert batch.pair_index.tolist() == [i for i in range(n) for _ in range(2)]
-    assert batch.branch.tolist() == [0, 1] * n and batch.num_pairs == n
+    chosen, rejected = split_pairs(torch.diff(batch.cu_seqlens))
+    assert chosen.tolist() == [len(f["prompt_input_ids"] + f["chosen_input_ids"]) for f in features]
+    assert rejected.tolist() == [len(f["prompt_input_ids"] + f["rejected_input_ids"]) for f in features]
+    assert batch.num_pairs == n and batch.num_sequences == 2 * n
     # cu_seqlens consistency.
     lengths = torch.diff(batch.cu_seqlens).tolist()
     assert lengths == [len(s) for s in sequences] and batch.cu_seqlens[0] == 0
@@ -135,7 +137,7 @@ def test_packed_and_padded_agree_per_sequence() -> None:
         width = int(padded.attention_mask[s].sum())
         assert torch.equal(packed.input_ids[0, in_seq], padded.input_ids[s, :width])
         assert torch.equal(packed.labels[0, in_seq], padded.labels[s, :width])
-    assert torch.equal(packed.pair_index, padded.pair_index) and torch.equal(packed.branch, padded.branch)
+    assert packed.num_sequences == padded.num_sequences == 8
 
 
 @pytest.mark.parametrize(
@@ -180,3 +182,12 @@ def test_pin_memory() -> None:
     assert isinstance(pinned, PackedPairBatch) and pinned.input_ids.is_pinned()
     on_gpu = pinned.to("cuda", non_blocking=True)
     assert on_gpu.cu_seqlens.is_cuda and on_gpu.max_seqlen == 5
+
+
+def test_split_pairs_reads_the_collators_layout() -> None:
+    chosen, rejected = split_pairs(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert chosen.tolist() == [1.0, 3.0] and rejected.tolist() == [2.0, 4.0]
+    stats = torch.arange(12.0).reshape(4, 3)  # [2n, k] per-sequence statistics split along the first dimension
+    assert [t.tolist() for t in split_pairs(stats)] == [[[0, 1, 2], [6, 7, 8]], [[3, 4, 5], [9, 10, 11]]]
+    with pytest.raises(ValueError):
+        split_pairs(torch.zeros(3))

@@ -85,14 +85,36 @@ def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
     assert field_name in str(info.value)
 
 
+@pytest.mark.parametrize(
+    "field,value,code",
+    [
+        ("beta", 0.0, "bad_beta"),
+        ("loss_type", "dpo", "unknown_loss_type"),
+        ("label_smoothing", 0.7, "bad_label_smoothing"),
+        ("max_prompt_length", 4096, "bad_length"),
+        ("attn_backend", "xformers", "bad_attn_backend"),
+        ("ref_model_revision", "main", "revision_not_pinned"),
+    ],
+)
+def test_bad_config_value_names_the_field(tmp_path, field, value, code):
+    """The message names the option as ``field=value`` (merged here from tests/test_user_errors.py)."""
+    with pytest.raises(ConfigError) as info:
+        PairDPOConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
+    assert info.value.reason_code == code
+    assert f"{field}=" in str(info.value)
+
+
 def test_all_problems_are_reported_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
-        _config(tmp_path, beta=-1.0, label_smoothing=0.7, attn_backend="nope")
+        _config(tmp_path, beta=-1.0, label_smoothing=0.7, attn_backend="nope", loss_type="kto")
     assert info.value.reason_code == "invalid_config"
     codes = [code for code, _ in info.value.problems]
-    assert codes == ["bad_beta", "bad_label_smoothing", "bad_attn_backend"]
-    for name in ("beta", "label_smoothing", "attn_backend"):
-        assert name in str(info.value)
+    assert codes == ["bad_beta", "unknown_loss_type", "bad_label_smoothing", "bad_attn_backend"]
+    for name in ("beta", "label_smoothing", "attn_backend", "loss_type"):
+        assert f"{name}=" in str(info.value)
+    with pytest.raises(ConfigError) as info:  # the same through PairDPOConfig itself (was tests/test_user_errors.py)
+        PairDPOConfig(output_dir=str(tmp_path), report_to="none", beta=-1.0, loss_type="kto")
+    assert [code for code, _ in info.value.problems] == ["bad_beta", "unknown_loss_type"]
 
 
 def test_config_is_a_value_error_for_argument_parsers(tmp_path):

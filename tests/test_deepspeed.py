@@ -24,7 +24,7 @@ from tests.launch import accelerate_launch
 from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the module's one ZeRO-3 launch (40-60 s)
 ROOT = Path(__file__).resolve().parents[1]
 
 DS_CONFIG = {
@@ -189,10 +189,14 @@ def test_a_changed_reference_or_disagreeing_ranks_fail_fast_on_every_rank(zero3,
 
 
 def test_torch_compile_under_zero3_is_refused_on_every_rank(zero3):
+    """Refused with every reason at once (run_checks): ZeRO-3, and on a CPU also the host-synced SDPA kernel."""
     _, errors = zero3
     for rank, result in enumerate(errors):
-        assert result["compile"]["reason_code"] == "unsupported_combination", (rank, result["compile"])
-        assert "ZeRO-3" in result["compile"]["message"] and "torch_compile" in result["compile"]["message"]
+        problems = result["compile"]["problems"]
+        assert [code for code, _ in problems] == ["unsupported_combination"] * 2, (rank, problems)
+        assert result["compile"]["reason_code"] == "invalid_config", (rank, result["compile"])
+        assert "ZeRO-3" in problems[0][1] and "torch_compile" in problems[0][1]
+        assert "sdpa_segments" in problems[1][1] and "torch_compile" in problems[1][1]
 
 
 def test_pinned_snapshot_under_zero3_is_verified_and_a_changed_one_is_refused_on_resume(zero3):

@@ -17,7 +17,7 @@ import torch
 from tests.dist_worker import NUM_PAIRS, OBJECTIVE_RUNS, run_layout, run_objectives
 from tests.ports import free_port
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the module's one 2-process launch (40-60 s)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -79,8 +79,20 @@ def test_budget_under_ddp_syncs_once_per_step_and_evaluates_like_one_process(two
     assert len(budget["allreduces"]) == 5 and min(ga1["allreduces"]) > 0
     assert budget["allreduces"] == ga1["allreduces"]
     assert dp1_budget["losses"] == pytest.approx(budget["losses"], abs=1e-5)
+    assert budget["eval_fillers"] == [0, 1] and dp1_budget["eval_fillers"] == [0]  # rank 1 ran a weight-0 filler
     for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert budget["eval"][key] == pytest.approx(dp1_budget["eval"][key], abs=1e-5), key
+
+
+@pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_ga2_pre"])
+def test_eval_with_weight0_fillers_on_two_ranks_equals_one_process(two_rank_results, dp1_ga2, layout):
+    """Fixed-count eval micro-batches: rank 1 runs a weight-0 filler (ZeRO-3 needs equal forwards on every rank), yet
+    the pair-weighted metrics over both ranks equal the one-process eval of the same parameters (a filler counted
+    with weight 1 would add the longest pair twice); the precomputed reference covers the fillers too."""
+    other = torch.load(two_rank_results / f"{layout}.pt")
+    assert other["eval_fillers"] == [0, 1] and dp1_ga2["eval_fillers"] == [0]
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen", "eval_logps/rejected"):
+        assert other["eval"][key] == pytest.approx(dp1_ga2["eval"][key], abs=1e-5), key
 
 
 def test_precomputed_reference_under_ddp_matches_the_online_reference(two_rank_results):

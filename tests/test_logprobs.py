@@ -26,7 +26,6 @@ from pair_dpo_trainer.logprobs import (
     packed_policy_logps,
     packed_sequence_logps,
     padded_sequence_logps,
-    split_pair_logps,
     with_length_desensitization,
 )
 from pair_dpo_trainer.modeling import enable_pair_varlen
@@ -184,13 +183,6 @@ def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
     policy.logps.sum().backward()
     monkeypatch.undo()
     assert out.shape == (4,) and policy.token_stats.shape == (4, 4)
-
-
-def test_split_pair_logps() -> None:
-    chosen, rejected = split_pair_logps(torch.tensor([1.0, 2.0, 3.0, 4.0]))
-    assert chosen.tolist() == [1.0, 3.0] and rejected.tolist() == [2.0, 4.0]
-    with pytest.raises(ValueError):
-        split_pair_logps(torch.zeros(3))
 
 
 @pytest.mark.parametrize("name,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5)])

@@ -277,7 +277,7 @@ def test_rewards_are_beta_scaled_logratios():
     pair = PairLogps(pc, pr, rc, rr, torch.ones(1), torch.ones(1))
     assert float(pair.chosen_rewards(0.5)) == pytest.approx(0.5)
     assert float(pair.rejected_rewards(0.5)) == pytest.approx(-0.25)
-    assert float(pair.logits()) == pytest.approx(1.5)
+    assert float(pair.logratio_margins()) == pytest.approx(1.5)
 
 
 def test_nll_terms_use_the_plain_sums_when_ld_alpha_weights_the_log_probs():

@@ -226,21 +226,13 @@ def test_sync_ref_model_mixes_the_policy_into_the_reference_every_sync_steps(tmp
 
 
 def test_tr_dpo_is_refused_where_there_is_no_separate_in_process_reference(tmp_path):
-    from types import SimpleNamespace
+    from tests.dpo_fixtures import runtime_error
 
-    from pair_dpo_trainer.reference.build import build_reference
-    from pair_dpo_trainer.reference.manager import ReferenceManager
-    from tests.dpo_fixtures import tiny_lora_llama
-
-    pytest.importorskip("peft")
     args = cpu_config(tmp_path, sync_ref_model=True)
-    with pytest.raises(PairDPOError) as info:  # DeepSpeed: the reference is its own engine
-        ReferenceManager(args, tiny_llama(0), source=None, ref_model=None, deepspeed_config={"train_batch_size": 1})
-    assert info.value.reason_code == "unsupported_combination" and "sync_ref_model" in str(info.value)
-    namespace = SimpleNamespace(uses_reference=True, sync_ref_model=True, ref_model_name_or_path=None)
-    with pytest.raises(PairDPOError) as info:  # PEFT: the reference is the policy with its adapters disabled
-        build_reference(namespace, tiny_lora_llama(0), source=None, ref_model=None)
-    assert info.value.reason_code == "unsupported_combination" and "PEFT" in str(info.value)
+    error = runtime_error(args, deepspeed_config={"train_batch_size": 1})  # DeepSpeed: the reference is its engine
+    assert error.reason_code == "unsupported_combination" and "sync_ref_model" in str(error)
+    error = runtime_error(args, peft_policy=True)  # PEFT: the reference is the policy with its adapters disabled
+    assert error.reason_code == "unsupported_combination" and "PEFT" in str(error)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(

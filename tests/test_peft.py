@@ -83,7 +83,7 @@ def test_trainer_with_lora_policy_shares_weights_starts_at_ln2_and_trains_only_l
 
     reference = trainer.reference
     assert isinstance(reference, AdapterDisabledReference)
-    assert not hasattr(reference, "model") and reference.policy is trainer.model
+    assert reference.model is None and reference.policy is trainer.model  # no model of its own: no copy
     policy_tensors = {p.data_ptr() for p in trainer.model.parameters()}
     assert all(p.data_ptr() in policy_tensors for _, p in reference.identity_parameters())
     assert not any("lora_" in name for name, _ in reference.identity_parameters())
@@ -107,17 +107,7 @@ def test_explicit_reference_directory_wins_over_the_adapter_reference(tmp_path):
 @pytest.mark.parametrize("option", [{"ref_zero_stage": 0}, {"ref_offload_params": True}])
 def test_reference_engine_options_are_refused_for_an_adapter_disabled_reference(tmp_path, option):
     """Under DeepSpeed these options would be silently ignored for a PEFT policy's reference: refuse them."""
-    from types import SimpleNamespace
+    from tests.dpo_fixtures import runtime_error
 
-    from pair_dpo_trainer.errors import ConfigError
-    from pair_dpo_trainer.reference.build import build_reference
-
-    options = {"ref_zero_stage": None, "ref_offload_params": None, **option}
-    args = SimpleNamespace(
-        reference_free=False, uses_reference=True, sync_ref_model=False, ref_model_name_or_path=None, **options
-    )
-    with pytest.raises(ConfigError) as info:
-        build_reference(
-            args, _lora(tiny_llama()), source=None, ref_model=None, deepspeed_config={"train_batch_size": 1}
-        )
-    assert info.value.reason_code == "unsupported_combination" and next(iter(option)) in str(info.value)
+    error = runtime_error(cpu_config(tmp_path, **option), peft_policy=True, deepspeed_config={"train_batch_size": 1})
+    assert error.reason_code == "unsupported_combination" and next(iter(option)) in str(error)

@@ -28,30 +28,7 @@ def _config(tmp_path: Path, **kwargs) -> PairDPOConfig:
 # ------------------------------------------------------------------------------------------------ configuration
 
 
-@pytest.mark.parametrize(
-    "field,value,code",
-    [
-        ("beta", 0.0, "bad_beta"),
-        ("loss_type", "dpo", "unknown_loss_type"),
-        ("label_smoothing", 0.7, "bad_label_smoothing"),
-        ("max_prompt_length", 4096, "bad_length"),
-        ("attn_backend", "xformers", "bad_attn_backend"),
-        ("ref_model_revision", "main", "revision_not_pinned"),
-    ],
-)
-def test_bad_config_value_names_the_field(tmp_path, field, value, code):
-    with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
-    assert info.value.reason_code == code
-    assert f"{field}=" in str(info.value)
-
-
-def test_several_bad_config_values_are_reported_together(tmp_path):
-    with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), report_to="none", beta=-1.0, loss_type="kto")
-    assert info.value.reason_code == "invalid_config"
-    assert "beta=" in str(info.value) and "loss_type=" in str(info.value)
-    assert [code for code, _ in info.value.problems] == ["bad_beta", "unknown_loss_type"]
+# Configuration values: tests/test_config.py (every code, field=value in the message, all problems at once).
 
 
 # ------------------------------------------------------------------------------------------------ data files

@@ -6,6 +6,8 @@ from pair_dpo_trainer.collators.packed import (
     REJECTED,
     PackedPairBatch,
     PackedPairCollator,
+    pair_rows,
+    split_pairs,
 )
 from pair_dpo_trainer.collators.padded import PaddedPairBatch, PaddedPairCollator
 
@@ -17,4 +19,6 @@ __all__ = [
     "PackedPairCollator",
     "PaddedPairBatch",
     "PaddedPairCollator",
+    "pair_rows",
+    "split_pairs",
 ]

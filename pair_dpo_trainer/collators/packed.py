@@ -4,9 +4,11 @@ The row holds every pair's two sequences back to back, chosen first::
 
     [p1 + c1][p1 + r1][p2 + c2][p2 + r2] ...
 
-Sequence ``2*i`` is pair ``i``'s chosen sequence (``branch`` 0) and sequence ``2*i + 1`` its rejected one
-(``branch`` 1). Attention stays inside each sequence through ``cu_seqlens`` (varlen attention, see
-:mod:`pair_dpo_trainer.modeling.attention`); ``position_ids`` restart at 0 for each sequence.
+Sequence ``2*i + CHOSEN`` (``2*i``) is pair ``i``'s chosen sequence and sequence ``2*i + REJECTED`` its rejected
+one; :func:`split_pairs` is the one reader of that layout (every per-sequence ``[2n]`` tensor: log-probs, token
+counts, statistics, in the packed and the padded batch alike). Attention stays inside each sequence through
+``cu_seqlens`` (varlen attention, see :mod:`pair_dpo_trainer.modeling.attention`); ``position_ids`` restart at 0 for
+each sequence.
 
 Labels are already shifted: ``labels[0, j]`` is the target of the logits at position ``j``, i.e. the token at
 ``j + 1`` when that token is a completion token of the same sequence, else ``-100``. ``completion_mask`` is
@@ -31,10 +33,36 @@ PAIR_COLUMNS = FEATURE_COLUMNS
 """The tokenised dataset columns a collator reads from each feature."""
 
 CHOSEN = 0
-"""``branch`` value of a chosen sequence."""
+"""Position of a pair's chosen sequence among its two (sequence ``2*i + CHOSEN``)."""
 
 REJECTED = 1
-"""``branch`` value of a rejected sequence."""
+"""Position of a pair's rejected sequence among its two (sequence ``2*i + REJECTED``)."""
+
+
+def pair_rows(values: torch.Tensor) -> torch.Tensor:
+    """Per-sequence values ``[2n, ...]`` in the collators' order -> ``[n, 2, ...]`` (column ``CHOSEN`` /
+    ``REJECTED``), a view where the layout allows one.
+
+    Raises:
+        ValueError: ``values`` is not ``[2n, ...]``.
+    """
+    if values.ndim == 0 or values.shape[0] % 2:
+        raise ValueError(f"expected [2n, ...] per-sequence values, got shape {tuple(values.shape)}")
+    return values.unflatten(0, (-1, 2))
+
+
+def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence values ``[2n, ...]`` -> ``(chosen [n, ...], rejected [n, ...])`` (views, device ops only).
+
+    Example:
+        >>> split_pairs(torch.tensor([1.0, 2.0, 3.0, 4.0]))
+        (tensor([1., 3.]), tensor([2., 4.]))
+
+    Raises:
+        ValueError: ``values`` is not ``[2n, ...]``.
+    """
+    rows = pair_rows(values)
+    return rows[:, CHOSEN], rows[:, REJECTED]
 
 
 def _move(value: Any, fn: Any) -> Any:
@@ -78,8 +106,6 @@ class PackedPairBatch(_TensorDataclass):
             sequence, else ``-100``.
         completion_mask: ``[1, T]`` bool, ``labels != -100``.
         sequence_index: ``[1, T]`` int64, the sequence each token belongs to (``2n`` for pad tokens).
-        pair_index: ``[2n]`` int64, the pair (within the micro-batch) of each sequence: ``[0, 0, 1, 1, ...]``.
-        branch: ``[2n]`` int64, 0 for chosen and 1 for rejected: ``[0, 1, 0, 1, ...]``.
         num_pairs: ``n``.
         completion_positions: ``[N]`` int64 flat positions ``j`` where ``completion_mask[0, j]`` is true, in
             order (``N`` scored tokens); lets the log-prob code gather scored rows without a host sync.
@@ -102,8 +128,6 @@ class PackedPairBatch(_TensorDataclass):
     labels: torch.Tensor
     completion_mask: torch.Tensor
     sequence_index: torch.Tensor
-    pair_index: torch.Tensor
-    branch: torch.Tensor
     num_pairs: int
     completion_positions: torch.Tensor
     pair_weights: torch.Tensor | None = None
@@ -213,8 +237,6 @@ class PackedPairCollator:
             batch.labels           == [[-100, 7, 2, -100, -100, 8, 9, 2, -100]]
             batch.completion_mask  == [[F, T, T, F, F, T, T, T, F]]
             batch.sequence_index   == [[0, 0, 0, 0, 1, 1, 1, 1, 1]]
-            batch.pair_index       == [0, 0]
-            batch.branch           == [0, 1]
             batch.num_pairs        == 1
             batch.completion_positions == [1, 2, 5, 6, 7]
 
@@ -279,8 +301,6 @@ class PackedPairCollator:
             labels=label_tensor,
             completion_mask=mask,
             sequence_index=torch.tensor([seq_index], dtype=torch.int64),
-            pair_index=torch.arange(n, dtype=torch.int64).repeat_interleave(2),
-            branch=torch.tensor([CHOSEN, REJECTED], dtype=torch.int64).repeat(n),
             num_pairs=n,
             completion_positions=mask[0].nonzero().flatten(),
             pair_weights=_pair_weights(features),

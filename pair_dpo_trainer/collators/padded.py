@@ -1,8 +1,8 @@
 """Padded collator: the reference path (tests, and attention backends without varlen support).
 
 ``n`` pairs become ``2n`` right-padded rows in the packed order (row ``2*i`` is pair ``i``'s chosen sequence,
-row ``2*i + 1`` its rejected one). Labels follow the same shifted convention as the packed collator:
-``labels[r, j]`` is the target of the logits at ``[r, j]``.
+row ``2*i + 1`` its rejected one: :func:`~pair_dpo_trainer.collators.packed.split_pairs`). Labels follow the same
+shifted convention as the packed collator: ``labels[r, j]`` is the target of the logits at ``[r, j]``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from pair_dpo_trainer.collators.packed import (
-    CHOSEN,
     IGNORE_INDEX,
-    REJECTED,
     _TensorDataclass,
     pair_sequences,
     sequence_labels,
@@ -31,8 +29,6 @@ class PaddedPairBatch(_TensorDataclass):
         attention_mask: ``[2n, L]`` int64, 1 for real tokens and 0 for padding.
         labels: ``[2n, L]`` int64 shifted targets (next completion token of the row, else -100).
         completion_mask: ``[2n, L]`` bool, ``labels != -100``.
-        pair_index: ``[2n]`` int64, ``[0, 0, 1, 1, ...]``.
-        branch: ``[2n]`` int64, ``[0, 1, 0, 1, ...]`` (0 chosen, 1 rejected).
         num_pairs: ``n``.
     """
 
@@ -40,8 +36,6 @@ class PaddedPairBatch(_TensorDataclass):
     attention_mask: torch.Tensor
     labels: torch.Tensor
     completion_mask: torch.Tensor
-    pair_index: torch.Tensor
-    branch: torch.Tensor
     num_pairs: int
 
     @property
@@ -63,8 +57,6 @@ class PaddedPairCollator:
             batch.attention_mask  == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
             batch.labels          == [[-100, 7, 2, -100, -100], [-100, 8, 9, 2, -100]]
             batch.completion_mask == [[F, T, T, F, F], [F, T, T, T, F]]
-            batch.pair_index      == [0, 0]
-            batch.branch          == [0, 1]
 
     Args:
         pad_token_id: Token id used for right padding.
@@ -104,7 +96,5 @@ class PaddedPairCollator:
             attention_mask=attention,
             labels=labels,
             completion_mask=labels != IGNORE_INDEX,
-            pair_index=torch.arange(n, dtype=torch.int64).repeat_interleave(2),
-            branch=torch.tensor([CHOSEN, REJECTED], dtype=torch.int64).repeat(n),
             num_pairs=n,
         )

@@ -111,7 +111,12 @@ class PairConverter:
 
     def __call__(self, chunk: Chunk) -> ChunkResult:
         rows = chunk_rows(chunk.payload, self.source)
-        options = {"strict": False, "progress": False, "desc": self.desc, "first_row": self.first_row + chunk.start}
+        options: dict[str, Any] = {
+            "strict": False,
+            "progress": False,
+            "desc": self.desc,
+            "first_row": self.first_row + chunk.start,
+        }
         if self.tokenizer is None:
             result = truncate_dataset(rows, **self.limits, **options)
         else:

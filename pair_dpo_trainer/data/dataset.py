@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,6 +26,9 @@ from pair_dpo_trainer.data.prepared import PreparedSplit
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
 from pair_dpo_trainer.node import Node
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +83,12 @@ def as_pair_dataset(
             the run (see :mod:`pair_dpo_trainer.data.prepared`); ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
-    limits = {
+    limits: dict[str, Any] = {
         "max_length": max_length,
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
     }
-    options = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "node": node}
+    options: dict[str, Any] = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "node": node}
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         return {
             name: as_pair_dataset(part, tokenizer, **limits, **options, desc=f"{desc} {name!r}")
@@ -132,7 +135,7 @@ def _one_dataset(
     return built.dataset
 
 
-def data_scale_options(args: Any) -> dict[str, Any]:
+def data_scale_options(args: PairDPOConfig) -> dict[str, Any]:
     """The conversion options of a ``PairDPOConfig`` for :func:`as_pair_dataset`: ``num_proc`` (``dataset_num_proc``,
     default the usable cores), ``cache_dir`` (``dataset_cache_dir``) and the process's ``node``."""
     return {

@@ -269,7 +269,7 @@ def tokenize_dataset(
         (1, {'schema': 1})
     """
     _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
-    limits = {
+    limits: dict[str, Any] = {
         "max_length": max_length,
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
@@ -313,7 +313,7 @@ def truncate_dataset(
         ([2, 3], [4, 5], 1)
     """
     _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
-    limits = {
+    limits: dict[str, Any] = {
         "max_length": max_length,
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
@@ -445,7 +445,7 @@ def _encode(
         "tokenize": True,
         "return_dict": False,
     }
-    if _supports_sanitize(type(tokenizer)):
+    if _supports_sanitize(type(tokenizer)):  # type: ignore[arg-type]  # a class is hashable
         kwargs["sanitize_control_tokens"] = True
     try:
         out = tokenizer.apply_chat_template([dict(m) for m in messages], **kwargs)

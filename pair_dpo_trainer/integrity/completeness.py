@@ -88,8 +88,8 @@ def index_shards(root: Path, fmt: WeightFormat, present: Set[str]) -> tuple[str,
             ``missing_shard`` (path: the index or the offending shard name).
     """
     weight_map = _load_weight_map(root, fmt.index)
-    values = list(weight_map.values())
-    if not all(isinstance(v, str) for v in values):
+    values = [v for v in weight_map.values() if isinstance(v, str)]
+    if len(values) != len(weight_map):
         raise SnapshotIntegrityError("malformed_index", "a 'weight_map' value is not a string", fmt.index)
     shards = sorted(set(values))
     for shard in shards:

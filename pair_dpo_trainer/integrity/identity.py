@@ -140,7 +140,7 @@ def parameter_digest(named_tensors: Iterable[tuple[str, torch.Tensor | Callable[
         header = [name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()]
         hasher.update((json.dumps(header) + "\n").encode("utf-8"))
         if t.numel():
-            hasher.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            hasher.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return hasher.hexdigest()
 
 

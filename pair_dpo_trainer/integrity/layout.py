@@ -108,7 +108,7 @@ def check_repo_path(value: object, *, what: str) -> str:
             reason = "is not valid UTF-8"
     if reason is not None:
         raise SnapshotIntegrityError("unsafe_path", f"{what} path {value!r} {reason}", str(value))
-    return value
+    return str(value)
 
 
 def resolve_inside(root: Path, rel: str, *, what: str) -> Path:

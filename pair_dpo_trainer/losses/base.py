@@ -4,7 +4,7 @@ Notation (Rafailov et al. 2023, "Direct Preference Optimization", arXiv:2305.182
 
     chosen log-ratio    u_w = log pi(y_w|x) - log ref(y_w|x)
     rejected log-ratio  u_l = log pi(y_l|x) - log ref(y_l|x)
-    h = u_w - u_l                                   # PairLogps.logits()
+    h = u_w - u_l                                   # PairLogps.logratio_margins()
 
 Objectives built on the chosen-rejected reward difference use ``delta_score`` instead of ``h``: the same difference
 after the f-divergence transform of f-DPO (``f_divergence_type``; ``reverse_kl``, the default, is the identity).
@@ -53,7 +53,7 @@ class PairLogps:
         """``u_l``. Shape ``[n]``."""
         return self.policy_rejected_logps - self.ref_rejected_logps
 
-    def logits(self) -> torch.Tensor:
+    def logratio_margins(self) -> torch.Tensor:
         """``h = u_w - u_l``: the implicit reward difference before ``beta``. Shape ``[n]``."""
         return self.chosen_logratios() - self.rejected_logratios()
 
@@ -173,7 +173,8 @@ def divergence_scores(logps: PairLogps, params: LossParams) -> tuple[torch.Tenso
 
 
 def delta_score(logps: PairLogps, params: LossParams) -> torch.Tensor:
-    """``f'(u_w) - f'(u_l)``; equals :meth:`PairLogps.logits` under the default ``reverse_kl``. Shape ``[n]``."""
+    """``f'(u_w) - f'(u_l)``; equals :meth:`PairLogps.logratio_margins` under the default ``reverse_kl``.
+    Shape ``[n]``."""
     chosen, rejected = divergence_scores(logps, params)
     return chosen - rejected
 

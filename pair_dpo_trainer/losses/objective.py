@@ -101,4 +101,5 @@ class Objective:
                 component = component * weight
             components[name] = component
             total = factor * component if total is None else total + factor * component
+        assert total is not None, "an Objective has at least one term (checked by the config)"
         return ObjectiveOutput(losses=total, components=components)

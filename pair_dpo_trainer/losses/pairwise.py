@@ -110,7 +110,9 @@ def apo_zero_loss(logps: PairLogps, params: LossParams, context: StepContext = N
 def apo_down_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
     """APO-down: lower both likelihoods, the rejected one more (chosen worse than the model's own outputs)."""
     # D'Oosterlinck et al. 2024, arXiv:2408.06266, Eq. 8: sigmoid(b u_w) + (1 - sigmoid(b (u_w - u_l)))
-    return torch.sigmoid(params.beta * logps.chosen_logratios()) + (1.0 - torch.sigmoid(params.beta * logps.logits()))
+    return torch.sigmoid(params.beta * logps.chosen_logratios()) + (
+        1.0 - torch.sigmoid(params.beta * logps.logratio_margins())
+    )
 
 
 def discopop_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:

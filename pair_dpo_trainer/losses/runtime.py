@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import TrainerCallback
@@ -21,6 +21,9 @@ from pair_dpo_trainer.losses.objective import Objective, ObjectiveOutput
 from pair_dpo_trainer.losses.state import RunningRewardMean, read_objective_state, write_objective_state
 from pair_dpo_trainer.losses.step import MarginsFn, StepContextBuilder
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 
 class ObjectiveRuntime:
     """The run's objective with its state.
@@ -30,7 +33,7 @@ class ObjectiveRuntime:
         device: The training device.
     """
 
-    def __init__(self, args: Any, device: torch.device) -> None:
+    def __init__(self, args: PairDPOConfig, device: torch.device) -> None:
         self.args = args
         self.objective = Objective(
             args.loss_type, args.loss_weights, args.loss_params(), use_weighting=args.use_weighting

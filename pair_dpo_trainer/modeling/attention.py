@@ -64,7 +64,7 @@ def _flash_attn_varlen_func() -> Callable[..., torch.Tensor] | None:
 
 
 @functools.lru_cache(maxsize=1)
-def _torch_varlen_attn() -> tuple[Callable[..., torch.Tensor], bool] | None:
+def _torch_varlen_attn() -> tuple[Callable[..., Any], bool] | None:
     """``(varlen_attn, accepts_enable_gqa)`` or None. Imported only when a CUDA device asks for it."""
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -158,7 +158,7 @@ def _kernel(backend: str) -> Callable[..., torch.Tensor]:
         elif backend == "torch_varlen":
             kernel, gqa = _torch_varlen_attn() or (None, False)
         else:
-            return None  # type: ignore[return-value]  - sdpa_segments needs no kernel
+            return None  # type: ignore[return-value]  # sdpa_segments needs no kernel
         if kernel is None:
             raise ConfigError("attn_backend_unavailable", f"attention backend {backend!r} is not installed")
         _KERNELS[backend], _GQA_KWARGS[backend] = kernel, gqa
@@ -171,11 +171,15 @@ def register_pair_varlen() -> str:
     return PAIR_VARLEN
 
 
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip wrappers that hold the model as ``.module`` (DDP, DeepSpeed engine) down to the HF model."""
-    while not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
+def unwrap_model(model: torch.nn.Module) -> Any:
+    """Strip wrappers that hold the model as ``.module`` (DDP, DeepSpeed engine) down to the HF model.
+
+    Returns ``Any``: the model is used by the transformers API it offers (``config``, ``get_decoder()``,
+    ``get_output_embeddings()``), which a ``PreTrainedModel`` or a PEFT model provides, duck-typed."""
+    current: Any = model
+    while not isinstance(current, PreTrainedModel) and isinstance(getattr(current, "module", None), torch.nn.Module):
+        current = current.module
+    return current
 
 
 def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: torch.device | str | None = None) -> str:
@@ -201,9 +205,8 @@ def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: to
     """
     target = unwrap_model(model)
     if device is None:
-        device = next(target.parameters()).device
-        if device.type == "cpu" and torch.cuda.is_available():
-            device = torch.device("cuda")
+        first = next(target.parameters()).device
+        device = torch.device("cuda") if first.type == "cpu" and torch.cuda.is_available() else first
     resolved = select_attn_backend(backend, device)
     register_pair_varlen()
     if target.config._attn_implementation != PAIR_VARLEN:
@@ -286,7 +289,7 @@ def pair_varlen_attention_forward(
         _packed(key),
         _packed(value),
         cu_seqlens,
-        max_seqlen if isinstance(max_seqlen, (int, torch.SymInt)) else int(max_seqlen),  # keeps a SymInt symbolic
+        max_seqlen if isinstance(max_seqlen, (int, torch.SymInt)) else int(max_seqlen),  # type: ignore[arg-type]  # a SymInt stays symbolic
         backend=backend,
         scale=scaling,
         causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),

@@ -36,17 +36,20 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import unwrap_model
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 logger = logging.getLogger(__name__)
 
 
-def requested_fsdp_plugin(args: Any) -> Any:
+def requested_fsdp_plugin(args: PairDPOConfig) -> Any:
     """The FSDP plugin the run asks for (TrainingArguments ``fsdp`` / ``fsdp_config``, else ``accelerate launch``'s
     ``ACCELERATE_USE_FSDP`` environment), or None. Built the way the Trainer and Accelerate build it."""
     from accelerate.utils import FullyShardedDataParallelPlugin
@@ -59,7 +62,7 @@ def requested_fsdp_plugin(args: Any) -> Any:
     return None
 
 
-def requested_fsdp_version(args: Any) -> int | None:
+def requested_fsdp_version(args: PairDPOConfig) -> int | None:
     """The FSDP version the run asks for (TrainingArguments, else ``accelerate launch``'s ``FSDP_VERSION``), or None
     without FSDP; read before Accelerate builds the plugin (an FSDP1 plugin fails to build on a CPU-only machine)."""
     plugin_args = getattr(args, "fsdp_plugin_args", None)
@@ -70,7 +73,7 @@ def requested_fsdp_version(args: Any) -> int | None:
     return None
 
 
-def check_fsdp_version(args: Any) -> None:
+def check_fsdp_version(args: PairDPOConfig) -> None:
     """Refuses FSDP1 before Accelerate builds its plugin.
 
     Raises:
@@ -89,33 +92,33 @@ def _fsdp1_problem(version: Any) -> tuple[str, str]:
     )
 
 
-def setup_fsdp2(accelerator: Any, args: Any) -> Any:
-    """The trainer's entry point, right after the Accelerator exists: returns the run's FSDP2 plugin, or None.
-
-    Installs the plugin in Accelerate's state when Accelerate dropped it (CPU processes), clears its output cast
-    (module docstring) and refuses what is not supported.
-
-    Args:
-        accelerator: The Trainer's ``Accelerator``.
-        args: The run's ``PairDPOConfig``.
-
-    Raises:
-        ConfigError: ``fsdp1_unsupported`` for ``fsdp_version`` 1; ``unsupported_combination`` (see the module
-            docstring).
-    """
+def find_fsdp2_plugin(accelerator: Any, args: PairDPOConfig) -> Any:
+    """The run's FSDP plugin (Accelerate's, else the one ``args`` asks for where Accelerate dropped it: CPU
+    processes), or None without FSDP; not yet checked (``fsdp2_problems``) nor installed (:func:`setup_fsdp2`)."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
     plugin = getattr(state, "fsdp_plugin", None) if state.distributed_type == DistributedType.FSDP else None
-    if plugin is None:
-        plugin = requested_fsdp_plugin(args)
+    return plugin if plugin is not None else requested_fsdp_plugin(args)
+
+
+def setup_fsdp2(accelerator: Any, args: PairDPOConfig) -> Any:
+    """The trainer's entry point, right after the Accelerator exists: returns the run's FSDP2 plugin, or None.
+
+    Installs the plugin in Accelerate's state when Accelerate dropped it (CPU processes) and clears its output cast
+    (module docstring). What is not supported (:func:`fsdp2_problems`, no process group) is refused before, by the
+    trainer's one runtime check (``run_checks.run_problems``).
+
+    Args:
+        accelerator: The Trainer's ``Accelerator``.
+        args: The run's ``PairDPOConfig``.
+    """
+    from accelerate.utils import DistributedType
+
+    plugin = find_fsdp2_plugin(accelerator, args)
     if plugin is None:
         return None
-    for problem in fsdp2_problems(plugin, args):
-        raise ConfigError(*problem)
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        raise ConfigError("unsupported_combination", "FSDP2 needs a process group: launch with accelerate or torchrun.")
-    if state.distributed_type != DistributedType.FSDP:
+    if accelerator.state.distributed_type != DistributedType.FSDP:
         _install(accelerator, plugin)
     policy = plugin.mixed_precision_policy
     if getattr(policy, "output_dtype", None) is not None:
@@ -123,7 +126,7 @@ def setup_fsdp2(accelerator: Any, args: Any) -> Any:
     return plugin
 
 
-def fsdp2_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
+def fsdp2_problems(plugin: Any, args: PairDPOConfig) -> list[tuple[str, str]]:
     """``(reason_code, message)`` for every FSDP setting pair DPO does not run (an empty list: supported)."""
     if int(getattr(plugin, "fsdp_version", 1)) != 2:
         return [_fsdp1_problem(plugin.fsdp_version)]
@@ -157,7 +160,7 @@ def fsdp2_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
     return problems
 
 
-def _checkpointing_problems(plugin: Any, args: Any) -> list[tuple[str, str]]:
+def _checkpointing_problems(plugin: Any, args: PairDPOConfig) -> list[tuple[str, str]]:
     """FSDP's activation checkpointing with the Trainer's, or with ``torch_compile`` (the decoder layers are compiled
     in place before Accelerate wraps them for checkpointing, the reverse of Accelerate's own order: not verified)."""
     if not getattr(plugin, "activation_checkpointing", False):

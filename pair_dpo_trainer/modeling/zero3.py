@@ -4,18 +4,16 @@ ZeRO-3 installs forward and backward hooks on every submodule that owns paramete
 DeepSpeed's fetch/prefetch/release bookkeeping in Python. A Llama layer has ~10 such submodules (4 attention
 projections, 3 MLP projections, 2 norms, the rotary embedding), so a 24-layer model makes several hundred hook calls
 per forward and as many again in backward. With small per-GPU batches that host work, not the GPU, sets the step
-time: on 2x H200 the 1.5B benchmark model took 0.635 s per step under ZeRO-3 against 0.311 s on one GPU, and in a
-profiled step one rank's GPU was busy 29% of the time (``docs/benchmarks.md``).
+time (measured on 2 GPUs: ``docs/benchmarks.md``, ZeRO-3 sections).
 
-DeepSpeed's own remedy is the *leaf module* (``deepspeed.utils.set_z3_leaf_modules``; its docstring names "models
-with excessively fine-grained nested modules"): hooks stop at a leaf, and entering the leaf gathers all of its
-parameters at once. ``PairDPOConfig.zero3_leaf_modules="auto"`` (the default) makes every repeated decoder layer a
-leaf, for a full-parameter policy and for a ZeRO-3 reference (not for a PEFT policy: see :func:`zero3_leaf_setup`).
-Measured: 1.2x the per-GPU throughput of per-submodule hooks in the same call (0.680 vs 0.568 of one GPU), with the
-same losses, also with gradient checkpointing (``tests/test_deepspeed.py``). The cost is memory: a whole layer is
-gathered at a time (a 1.5B model's layer: 47M parameters, 94 MB in bf16; a 70B model's: ~0.86B, ~1.7 GB), plus what
-the prefetch bucket holds ahead. ``"none"`` keeps DeepSpeed's per-submodule hooks; a comma-separated list of class
-names marks those classes.
+DeepSpeed's own remedy is the *leaf module* (``deepspeed.utils.set_z3_leaf_modules``; its docstring names "models with
+excessively fine-grained nested modules"): hooks stop at a leaf, and entering the leaf gathers all of its parameters at
+once. ``PairDPOConfig.zero3_leaf_modules="auto"`` (the default) makes every repeated decoder layer a leaf, for a
+full-parameter policy and for a ZeRO-3 reference (not for a PEFT policy: see :func:`zero3_leaf_setup`). It raises the
+per-GPU throughput over per-submodule hooks (``docs/benchmarks.md``) with the same losses, also with gradient
+checkpointing (``tests/test_deepspeed.py``). The cost is memory: a whole layer is gathered at a time (one layer's
+parameters in the compute dtype), plus what the prefetch bucket holds ahead. ``"none"`` keeps DeepSpeed's per-submodule
+hooks; a comma-separated list of class names marks those classes.
 """
 
 from __future__ import annotations
@@ -113,23 +111,9 @@ def zero3_leaf_setup(model: torch.nn.Module, value: str, *, zero3: bool, peft: b
         The flagged class names (``()`` when nothing is flagged).
 
     Raises:
-        ConfigError: ``unsupported_combination`` for class names without ZeRO-3 (they would change nothing) or with
-            a PEFT policy (see above); the errors of :func:`mark_zero3_leaf_modules`.
+        ConfigError: the errors of :func:`mark_zero3_leaf_modules`. Class names without ZeRO-3 (they would change
+            nothing) or with a PEFT policy (see above) are refused before, by ``run_checks.zero3_leaf_problems``.
     """
-    named = value not in (LEAF_AUTO, LEAF_NONE)
-    if named and not zero3:
-        raise ConfigError(
-            "unsupported_combination",
-            f"zero3_leaf_modules={value!r} names DeepSpeed ZeRO-3 leaf modules, but this run does not use ZeRO-3: "
-            "launch with a ZeRO-3 DeepSpeed config, or leave zero3_leaf_modules at 'auto'.",
-        )
-    if named and peft:
-        raise ConfigError(
-            "unsupported_combination",
-            f"zero3_leaf_modules={value!r} with a PEFT (LoRA) policy: DeepSpeed reduces a leaf module's gradients "
-            "before LoRA weight gradients are accumulated, which fails in backward. Leave zero3_leaf_modules at "
-            "'auto' (no leaves for a PEFT policy) or set 'none'.",
-        )
     if not zero3 or peft:
         return ()
     return mark_zero3_leaf_modules(model, value)

@@ -1,6 +1,6 @@
 """The reference of DPO: how it is built, verified, identified and run.
 
-- :mod:`.base`: the ``Reference`` protocol and the in-process backends (``NoReference``, ``FrozenReference``).
+- :mod:`.base`: the ``Reference`` protocol and the in-process references (``NoReference``, ``FrozenReference``).
 - :mod:`.engine`: ``DeepSpeedReference``, the reference as its own inference-only DeepSpeed engine.
 - :mod:`.precompute`: ``precompute_ref_log_probs``: one reference pass, a keyed cache, ``PrecomputedReference``.
 - :mod:`.build`: ``build_reference``, the one place where reference modes are selected.

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from transformers import PreTrainedModel
 
-from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
 from pair_dpo_trainer.reference.source import ReferenceSource
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 
 def build_reference(
-    args: Any,
+    args: PairDPOConfig,
     policy: PreTrainedModel,
     *,
     source: ReferenceSource | None,
@@ -41,27 +43,11 @@ def build_reference(
         fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (``modeling.fsdp2.setup_fsdp2``).
     """
     if not args.uses_reference:  # reference_free=True, or only reference-free objectives (simpo, orpo, sft)
-        if ref_model is not None:
-            why = "reference_free=True" if args.reference_free else f"loss_type={list(args.loss_type)} (reference-free)"
-            raise ValueError(f"{why} builds no reference: do not pass ref_model.")
-        return NoReference()
+        return NoReference()  # a ref_model passed anyway is refused by run_checks.reference_problems
     from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
 
     if ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy):
-        if args.sync_ref_model:
-            raise ConfigError(
-                "unsupported_combination",
-                "sync_ref_model=True (TR-DPO) mixes the policy into a separate reference, but a PEFT policy's "
-                "reference is the policy itself with its adapters disabled: set ref_model_name_or_path, or "
-                "sync_ref_model=False.",
-            )
-        if args.ref_zero_stage is not None or args.ref_offload_params or args.ref_fsdp_shard is not None:
-            raise ConfigError(
-                "unsupported_combination",
-                "the reference of a PEFT policy is the policy itself with its adapters disabled, so ref_zero_stage, "
-                "ref_fsdp_shard and ref_offload_params do not apply: unset them, or set ref_model_name_or_path for a "
-                "separate reference.",
-            )
+        # sync_ref_model and the reference engine options are refused for it by run_checks.reference_problems
         probe = fsdp_plugin is None  # under FSDP2 the policy is not on the accelerator before train() shards it
         return AdapterDisabledReference(policy, chunk_size=args.logps_chunk_size, probe=probe)  # no second copy
     if deepspeed_config is not None:
@@ -73,11 +59,11 @@ def build_reference(
         from pair_dpo_trainer.reference.fsdp import build_fsdp_reference
 
         return build_fsdp_reference(ref_model, plugin=fsdp_plugin, args=args, device=args.device)
-    return FrozenReference(ref_model.to(args.device), chunk_size=args.logps_chunk_size)
+    return FrozenReference(cast(Any, ref_model).to(args.device), chunk_size=args.logps_chunk_size)
 
 
 def _deepspeed_reference(
-    args: Any,
+    args: PairDPOConfig,
     policy: PreTrainedModel,
     *,
     source: ReferenceSource | None,

@@ -40,14 +40,18 @@ import functools
 import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch
-from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.errors import ConfigError, Problem
 from pair_dpo_trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
 from pair_dpo_trainer.modeling.zero3 import mark_zero3_leaf_modules
+from pair_dpo_trainer.run_checks import raise_problems
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +82,10 @@ def ref_zero_stage_problem(stage: Any) -> str | None:
     return f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3."
 
 
-def reference_zero_stage(
+def reference_zero_stage_problems(
     train_config: Mapping[str, Any], *, zero_stage: int | None, offload_params: bool | None
-) -> int:
-    """The reference engine's ZeRO stage (3: sharded, 0: replicated) for the run's DeepSpeed configuration.
+) -> list[Problem]:
+    """``(reason_code, message)`` for every reference ZeRO setting the run's DeepSpeed configuration cannot run.
 
     Args:
         train_config: The run's DeepSpeed configuration.
@@ -89,29 +93,56 @@ def reference_zero_stage(
             the reference even under a ZeRO-3 policy; 3 shards it (needs a ZeRO-3 policy).
         offload_params: ``PairDPOConfig.ref_offload_params`` (offloading needs a sharded reference).
 
-    Raises:
-        ConfigError: ``bad_ref_zero_stage`` for a stage other than None, 0 or 3; ``unsupported_combination`` for
-            ``ref_zero_stage=3`` without a ZeRO-3 policy, or ``ref_offload_params=True`` with a stage 0 reference.
+    Returns:
+        ``bad_ref_zero_stage`` for a stage other than None, 0 or 3; ``unsupported_combination`` for
+        ``ref_zero_stage=3`` without a ZeRO-3 policy, or ``ref_offload_params=True`` with a stage 0 reference.
     """
     problem = ref_zero_stage_problem(zero_stage)
     if problem is not None:
-        raise ConfigError("bad_ref_zero_stage", problem)
+        return [("bad_ref_zero_stage", problem)]
+    problems: list[Problem] = []
     policy_stage = (train_config.get("zero_optimization") or {}).get("stage", 0)
     if policy_stage != 3 and zero_stage == 3:
-        raise ConfigError(
-            "unsupported_combination",
-            f"ref_zero_stage=3 shards the reference like a ZeRO-3 policy, but the run uses ZeRO stage {policy_stage}: "
-            "leave ref_zero_stage unset (or 0) to replicate the reference, or train with ZeRO stage 3.",
+        problems.append(
+            (
+                "unsupported_combination",
+                f"ref_zero_stage=3 shards the reference like a ZeRO-3 policy, but the run uses ZeRO stage "
+                f"{policy_stage}: leave ref_zero_stage unset (or 0) to replicate the reference, or train with ZeRO "
+                "stage 3.",
+            )
         )
-    stage = 3 if policy_stage == 3 and zero_stage != 0 else 0
-    if stage == 0 and offload_params:
+    if _stage(policy_stage, zero_stage) == 0 and offload_params:
         reason = "ref_zero_stage=0 replicates it" if policy_stage == 3 else f"the run uses ZeRO stage {policy_stage}"
-        raise ConfigError(
-            "unsupported_combination",
-            f"ref_offload_params=True offloads a ZeRO-3 sharded reference, but {reason}: set ref_offload_params=False "
-            "(or leave it unset), or shard the reference (ZeRO stage 3 with ref_zero_stage unset or 3).",
+        problems.append(
+            (
+                "unsupported_combination",
+                f"ref_offload_params=True offloads a ZeRO-3 sharded reference, but {reason}: set "
+                "ref_offload_params=False (or leave it unset), or shard the reference (ZeRO stage 3 with "
+                "ref_zero_stage unset or 3).",
+            )
         )
-    return stage
+    return problems
+
+
+def _stage(policy_stage: int, zero_stage: int | None) -> int:
+    return 3 if policy_stage == 3 and zero_stage != 0 else 0
+
+
+def reference_zero_stage(
+    train_config: Mapping[str, Any], *, zero_stage: int | None, offload_params: bool | None
+) -> int:
+    """The reference engine's ZeRO stage (3: sharded, 0: replicated) for the run's DeepSpeed configuration.
+
+    Args:
+        train_config: The run's DeepSpeed configuration.
+        zero_stage: ``PairDPOConfig.ref_zero_stage`` (checked by ``run_checks.run_problems`` already).
+        offload_params: ``PairDPOConfig.ref_offload_params``.
+
+    Raises:
+        ConfigError: the problems of :func:`reference_zero_stage_problems`, for a caller that skipped the checks.
+    """
+    raise_problems(reference_zero_stage_problems(train_config, zero_stage=zero_stage, offload_params=offload_params))
+    return _stage((train_config.get("zero_optimization") or {}).get("stage", 0), zero_stage)
 
 
 def reference_ds_config(
@@ -170,10 +201,10 @@ def _gathered_copy(param: torch.nn.Parameter) -> torch.Tensor:
         return param.detach().to("cpu", copy=True)
 
 
-def _full_copy(param: torch.Tensor) -> torch.Tensor:
+def _full_copy(param: DTensor) -> torch.Tensor:
     """The full value of one FSDP2 (DTensor) parameter as a CPU tensor (collective: every rank must call it)."""
     if param.device.type != param.device_mesh.device_type:  # CPU-offloaded shards: all-gather on the mesh's device
-        param = param.to(param.device_mesh.device_type)
+        param = cast("DTensor", param.to(param.device_mesh.device_type))
     return param.full_tensor().detach().to("cpu", copy=True)
 
 
@@ -211,9 +242,11 @@ class DeepSpeedReference:
         leaf_modules: ``PairDPOConfig.zero3_leaf_modules``, applied to a stage 3 engine (see ``modeling.zero3``).
     """
 
+    probe = True
+
     def __init__(self, engine: Any, chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
-        self.engine = engine
-        self.model = engine.module
+        self.engine: Any = engine
+        self.model: torch.nn.Module | None = engine.module
         self.chunk_size = chunk_size
 
     @property
@@ -228,6 +261,8 @@ class DeepSpeedReference:
 
     def identity_parameters(self) -> Iterator[tuple[str, torch.Tensor | Callable[[], Any]]]:
         """The parameters of the identity's digest, gathered one at a time under ZeRO-3 (see the module docstring)."""
+        if self.model is None:
+            raise RuntimeError("the reference engine was released after the precompute pass")
         return gathered_named_parameters(self.model)
 
     def release(self) -> None:

@@ -30,7 +30,7 @@ Accelerate uses for the policy, ``compile_regions_fsdp2``), so FSDP's hooks stay
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,10 +40,13 @@ from pair_dpo_trainer.modeling.fsdp2 import compute_dtype, offloads_params
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
 from pair_dpo_trainer.reference.base import FrozenReference
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 logger = logging.getLogger(__name__)
 
 
-def fsdp_reference_problems(args: Any, *, fsdp: bool, peft_reference: bool) -> list[tuple[str, str]]:
+def fsdp_reference_problems(args: PairDPOConfig, *, fsdp: bool, peft_reference: bool) -> list[tuple[str, str]]:
     """``(reason_code, message)`` for reference options that do not fit the run's FSDP setting.
 
     Args:
@@ -78,7 +81,7 @@ def fsdp_reference_problems(args: Any, *, fsdp: bool, peft_reference: bool) -> l
 
 
 def build_fsdp_reference(
-    model: torch.nn.Module, *, plugin: Any, args: Any, device: torch.device | str
+    model: torch.nn.Module, *, plugin: Any, args: PairDPOConfig, device: torch.device | str
 ) -> FrozenReference:
     """The reference of an FSDP2 run, sharded or replicated (see the module docstring).
 
@@ -110,8 +113,7 @@ def build_fsdp_reference(
     if dtype is not None:
         cast_parameters(model, dtype)
     if args.torch_compile:
-        options = {"backend": args.torch_compile_backend or "inductor", "mode": args.torch_compile_mode}
-        compile_decoder_layers(model, **options)
+        compile_decoder_layers(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
     if shard:
         offload = offloads_params(plugin) if args.ref_offload_params is None else args.ref_offload_params
         shard_reference(model, offload=offload)
@@ -148,13 +150,11 @@ def shard_reference(model: torch.nn.Module, *, offload: bool = False) -> None:
             f"the FSDP2 reference is sharded per decoder layer, but {type(model).__name__} has none that "
             "pair_dpo_trainer recognises: set ref_fsdp_shard=False to replicate it.",
         )
-    options = {
-        "reshard_after_forward": True,
-        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy(),
-    }
+    policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, **options)
-    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+        fully_shard(layer, reshard_after_forward=True, offload_policy=policy)
+    target: Any = model  # a transformers causal LM
+    embedding, head = target.get_input_embeddings(), target.get_output_embeddings()
     if embedding is not None and (head is None or embedding.weight is not head.weight):
-        fully_shard(embedding, **options)
-    fully_shard(model, **options)
+        fully_shard(embedding, reshard_after_forward=True, offload_policy=policy)
+    fully_shard(model, reshard_after_forward=True, offload_policy=policy)

@@ -9,9 +9,7 @@ different probe digest alone is environment drift (another GPU, driver or kernel
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -24,6 +22,7 @@ from pair_dpo_trainer.integrity import (
     build_identity,
     read_identity,
 )
+from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.source import ReferenceSource
 
 logger = logging.getLogger(__name__)
@@ -47,30 +46,24 @@ def probe_batch(vocab_size: int) -> PackedPairBatch:
     return PackedPairCollator()(features)
 
 
-def reference_parameters(reference: Any) -> Iterable[tuple[str, torch.Tensor]] | None:
-    """The ``(name, tensor)`` pairs a reference's parameter digest covers, or None when it has no weights."""
-    named = getattr(reference, "identity_parameters", None)
-    return named() if callable(named) else None
-
-
 def compute_identity(
-    source: ReferenceSource, reference: Any, *, vocab_size: int, device: torch.device
+    source: ReferenceSource, reference: Reference, *, vocab_size: int, device: torch.device | str
 ) -> ReferenceIdentity:
     """Builds the identity of a built reference: provenance, parameter digest and probe digest.
 
     Args:
         source: Where the reference came from (verified snapshot or unpinned).
-        reference: A reference backend with ``sequence_logps`` (and ``identity_parameters`` for the digest).
+        reference: The built reference (its ``identity_parameters`` for the digest, ``probe`` for the probe).
         vocab_size: Vocabulary size of the reference, for the probe batch.
         device: Device the reference runs on.
     """
-    probe = getattr(reference, "probe", True)  # False: a reference that cannot run the probe yet (PEFT under FSDP2)
-    probe_logps = reference.sequence_logps(probe_batch(vocab_size).to(device)) if probe else None
+    # probe False: a reference that cannot run the probe yet (PEFT under FSDP2)
+    probe_logps = reference.sequence_logps(probe_batch(vocab_size).to(device)) if reference.probe else None
     return build_identity(
         snapshot=source.snapshot,
         revision=source.revision,
         repo_id=source.repo_id,
-        named_parameters=reference_parameters(reference),
+        named_parameters=reference.identity_parameters(),
         probe_logps=probe_logps,
         device=device,
     )

@@ -28,14 +28,16 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from transformers import PreTrainedModel
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
+from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.build import build_reference
-from pair_dpo_trainer.reference.engine import gathered_named_parameters, reference_zero_stage
+from pair_dpo_trainer.reference.engine import gathered_named_parameters
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
 from pair_dpo_trainer.reference.precompute import (
     CacheEntry,
@@ -50,11 +52,14 @@ from pair_dpo_trainer.reference.precompute import (
 )
 from pair_dpo_trainer.reference.source import ReferenceSource
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 logger = logging.getLogger(__name__)
 
 
 class ReferenceManager:
-    """Owns the run's reference backend and identity.
+    """Owns the run's reference and identity.
 
     Args:
         args: The run's ``PairDPOConfig``.
@@ -69,49 +74,20 @@ class ReferenceManager:
     Attributes:
         builds: How many times a reference model was built (0 after a precompute cache hit).
 
-    Raises:
-        ConfigError: ``unsupported_combination`` for ``ref_offload_params=True`` without DeepSpeed or FSDP2, a
-            ``ref_zero_stage`` without DeepSpeed, a ``ref_fsdp_shard`` without FSDP2 (and the other FSDP2
-            combinations of :func:`~pair_dpo_trainer.reference.fsdp.fsdp_reference_problems`), and the DeepSpeed
-            combinations :func:`~pair_dpo_trainer.reference.engine.reference_zero_stage`
-            refuses (``ref_zero_stage=3`` without ZeRO-3, ``ref_offload_params=True`` with a replicated reference).
+    The option combinations are checked before (``run_checks.run_problems``, the trainer's one runtime check).
     """
 
     def __init__(
         self,
-        args: Any,
-        policy: torch.nn.Module,
+        args: PairDPOConfig,
+        policy: PreTrainedModel,
         *,
         source: ReferenceSource | None,
-        ref_model: torch.nn.Module | None,
+        ref_model: PreTrainedModel | None,
         deepspeed_config: Mapping[str, Any] | None,
         mixed_precision: str = "no",
         fsdp_plugin: Any = None,
     ) -> None:
-        if args.ref_offload_params and deepspeed_config is None and fsdp_plugin is None:
-            raise ConfigError(
-                "unsupported_combination",
-                "ref_offload_params=True offloads the parameters of a sharded reference (DeepSpeed ZeRO-3 or FSDP2), "
-                "but this run uses neither: launch with a ZeRO-3 or FSDP2 config, or leave ref_offload_params unset.",
-            )
-        self._check_fsdp(args, policy, ref_model, fsdp_plugin)
-        if args.ref_zero_stage is not None and deepspeed_config is None:
-            raise ConfigError(
-                "unsupported_combination",
-                f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
-                "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
-            )
-        if deepspeed_config is not None and args.uses_reference:  # fail now, not when the engine is built
-            reference_zero_stage(
-                deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
-            )
-        if args.sync_ref_model and (deepspeed_config is not None or fsdp_plugin is not None):
-            raise ConfigError(
-                "unsupported_combination",
-                "sync_ref_model=True (TR-DPO) mixes whole policy weights into an in-process reference; under DeepSpeed "
-                "the reference is its own engine and under FSDP2 both are sharded: train without DeepSpeed / FSDP2 "
-                "(single process or DDP), or set sync_ref_model=False.",
-            )
         self.args = args
         self.source = source
         self.builds = 0
@@ -121,7 +97,7 @@ class ReferenceManager:
         self._fsdp_plugin = fsdp_plugin
         self._precision = _precision(policy, deepspeed_config, mixed_precision, fsdp_plugin)
         self._checked: str | None = None
-        self._backend: Any = None
+        self._reference: Reference | None = None
         self._identity: ReferenceIdentity | None = None
         self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
         self._key_reference: dict[str, Any] | None = None
@@ -133,26 +109,26 @@ class ReferenceManager:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
 
     @property
-    def backend(self) -> Any:
-        """The reference backend (``sequence_logps``); builds a lazy reference now if needed (a collective).
+    def reference(self) -> Reference:
+        """The reference (``sequence_logps``); builds a lazy reference now if needed (a collective).
 
         Raises:
             ConfigError: ``ref_logps_missing`` for a precomputed run before ``train()`` / ``evaluate()``.
         """
-        if self._backend is None and not self.args.precompute_ref_log_probs:
+        if self._reference is None and not self.args.precompute_ref_log_probs:
             self._build()
-        if self._backend is None:
+        if self._reference is None:
             raise ConfigError(
                 "ref_logps_missing",
                 "precompute_ref_log_probs=True: the reference log-probs are computed by train() or evaluate(); call "
                 "one of them before running the reference.",
             )
-        return self._backend
+        return self._reference
 
     @property
-    def backend_if_built(self) -> Any:
-        """The reference backend if it exists now (never builds one), else None."""
-        return self._backend
+    def reference_if_built(self) -> Reference | None:
+        """The reference if it exists now (never builds one), else None."""
+        return self._reference
 
     @property
     def identity(self) -> ReferenceIdentity | None:
@@ -176,11 +152,11 @@ class ReferenceManager:
             return
         if self.args.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
-        elif self._backend is None:
+        elif self._reference is None:
             self._build()
         if resume_from_checkpoint and self._checked != resume_from_checkpoint:
             self._restore_synced(resume_from_checkpoint)
-            check_resume_identity(resume_from_checkpoint, self._identity)
+            check_resume_identity(resume_from_checkpoint, self._built_identity())
             self._checked = resume_from_checkpoint
 
     def attach(self, dataset: Any) -> Any:
@@ -199,19 +175,20 @@ class ReferenceManager:
         self._synced_step = int(step)
 
     def _synced_model(self) -> torch.nn.Module:
-        model = getattr(self.backend, "model", None)
-        if not isinstance(model, torch.nn.Module):
+        model = self.reference.model
+        if model is None:
             raise ConfigError(
                 "unsupported_combination",
                 f"sync_ref_model=True needs an in-process reference model; this run's reference is "
-                f"{type(self.backend).__name__}: set sync_ref_model=False.",
+                f"{type(self.reference).__name__}: set sync_ref_model=False.",
             )
         return model
 
     def _identify(self) -> None:
         """(Re)computes the identity of the built reference, recording the TR-DPO sync step."""
+        assert self.source is not None and self._reference is not None, "identified only once built, with a source"
         identity = compute_identity(
-            self.source, self._backend, vocab_size=self._policy.config.vocab_size, device=self.args.device
+            self.source, self._reference, vocab_size=self._policy.config.vocab_size, device=self.args.device
         )
         self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
 
@@ -248,21 +225,9 @@ class ReferenceManager:
         self._identify()
 
     # ------------------------------------------------------------------ building
-    @staticmethod
-    def _check_fsdp(args: Any, policy: torch.nn.Module, ref_model: Any, fsdp_plugin: Any) -> None:
-        """Refuses reference options that do not fit the run's FSDP2 setting (``reference.fsdp``)."""
-        from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
-        from pair_dpo_trainer.reference.peft import is_peft_model
-
-        peft_reference = (
-            args.uses_reference and ref_model is None and not args.ref_model_name_or_path and is_peft_model(policy)
-        )
-        for problem in fsdp_reference_problems(args, fsdp=fsdp_plugin is not None, peft_reference=peft_reference):
-            raise ConfigError(*problem)
-
     def _build(self) -> None:
-        """Builds the reference backend and, for a non-free reference, its identity (collective under ZeRO-3)."""
-        self._backend = build_reference(
+        """Builds the reference and, for a non-free reference, its identity (collective under ZeRO-3)."""
+        self._reference = build_reference(
             self.args,
             self._policy,
             source=self.source,
@@ -279,12 +244,16 @@ class ReferenceManager:
         self.builds += 1
         self._identify()
 
+    def _built_identity(self) -> ReferenceIdentity:
+        """The identity of the built (or cached) reference, which ``_build`` / ``_remember`` set before any check."""
+        assert self._identity is not None, "the reference is identified when it is built or read from the cache"
+        return self._identity
+
     def _release(self) -> None:
         """Frees the built reference after a precompute pass; from now on batches carry the log-probs."""
-        release = getattr(self._backend, "release", None)
-        if callable(release):
-            release()
-        self._backend = PrecomputedReference()
+        if self._reference is not None:
+            self._reference.release()
+        self._reference = PrecomputedReference()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
@@ -295,8 +264,9 @@ class ReferenceManager:
         Unpinned, the starting weights are the explicit ``ref_model``, else the policy itself when the reference is
         its copy or its own directory; an unpinned reference from another directory is loaded once to digest it.
         """
-        if self.source is not None and self.source.pinned:
-            return {"pinned": True, "digest": self.source.snapshot.manifest_digest}
+        snapshot = self.source.snapshot if self.source is not None else None
+        if snapshot is not None:  # pinned: the verified snapshot's manifest
+            return {"pinned": True, "digest": snapshot.manifest_digest}
         model = self._ref_model
         if model is None and self.source is not None and self.source.directory not in (None, self._policy_dir()):
             from pair_dpo_trainer.reference.base import load_reference_model
@@ -324,25 +294,25 @@ class ReferenceManager:
         for name, ds in pending.items():
             if hits[name]:
                 logger.info("reference log-probs of %s: cache hit %s", name, path[name])
-                self._remember(ds, entries[name])
+                self._remember(ds, cast(CacheEntry, entries[name]))  # a hit: read on this rank
                 continue
-            if self._backend is None or isinstance(self._backend, PrecomputedReference):
+            if self._reference is None or isinstance(self._reference, PrecomputedReference):
                 self._build()
                 if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
-                    check_resume_identity(resume_from_checkpoint, self._identity)
+                    check_resume_identity(resume_from_checkpoint, self._built_identity())
                     self._checked = resume_from_checkpoint
-            logps = compute_ref_logps(self._backend, ds, args=self.args, desc=name)
-            entry = CacheEntry(logps=logps, identity=self._identity.to_dict())
+            logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name)
+            entry = CacheEntry(logps=logps, identity=self._built_identity().to_dict())
             if self.args.should_save:
                 write_cache(path[name], keys[name], entry)
             self._remember(ds, entry)
-        if not isinstance(self._backend, PrecomputedReference):
+        if not isinstance(self._reference, PrecomputedReference):
             self._release()
 
     def _key(self, dataset: Any) -> dict[str, Any]:
         return cache_key(
             fingerprint=dataset_fingerprint(dataset),
-            reference=self._key_reference,
+            reference=cast("dict[str, Any]", self._key_reference),  # set in __init__ for a precomputed run
             args=self.args,
             precision=self._precision,
         )

@@ -59,8 +59,13 @@ class AdapterDisabledReference:
         if not is_peft_model(policy):
             raise TypeError(f"AdapterDisabledReference needs a peft.PeftModel policy, got {type(policy).__name__}.")
         self.policy = unwrap_model(policy)
+        self.model: torch.nn.Module | None = None  # no model of its own: the policy is the model
         self.chunk_size = chunk_size
         self.probe = probe
+
+    def release(self) -> None:
+        """Nothing to free: the weights are the policy's."""
+        return None
 
     def identity_parameters(self) -> Iterator[tuple[str, Any]]:
         """The base-model parameters the reference identity's parameter digest covers (adapter weights excluded;

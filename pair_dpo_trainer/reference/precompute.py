@@ -27,20 +27,23 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
 from pair_dpo_trainer.atomic import atomic_open
-from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator, pair_rows
 from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array
 from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.logprobs import with_length_desensitization
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +53,16 @@ CACHE_PREFIX = "ref_logps-"
 
 class PrecomputedReference:
     """The reference after a precompute pass: the batch's own ``ref_logps`` (no model)."""
+
+    model: torch.nn.Module | None = None
+    probe = True
+
+    def identity_parameters(self) -> None:
+        """None: no weights (the identity was recorded with the cache entry)."""
+        return None
+
+    def release(self) -> None:
+        return None
 
     def sequence_logps(self, batch: PackedPairBatch) -> torch.Tensor:
         """``batch.ref_logps`` ``[2n]`` float32.
@@ -127,7 +140,7 @@ def dataset_fingerprint(dataset: Any) -> str:
     return hasher.hexdigest()
 
 
-def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, precision: str) -> dict[str, Any]:
+def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOConfig, precision: str) -> dict[str, Any]:
     """Everything the precomputed values depend on (see the module docstring).
 
     Args:
@@ -143,12 +156,13 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: Any, prec
         "dataset": fingerprint,
         "reference": dict(reference),
         "max_length": int(args.max_length),
-        "max_prompt_length": int(args.max_prompt_length),
+        "max_prompt_length": int(args.max_prompt_length),  # type: ignore[arg-type]  # set by __post_init__
         "precision": precision,
         "pair_dpo_trainer": __version__,
     }
-    if getattr(args, "ld_alpha", None) is not None:  # LD-DPO weights the reference's sums too (only then in the key)
-        key["ld_alpha"] = float(args.ld_alpha)
+    ld_alpha = getattr(args, "ld_alpha", None)
+    if ld_alpha is not None:  # LD-DPO weights the reference's sums too (only then in the key)
+        key["ld_alpha"] = float(ld_alpha)
     return key
 
 
@@ -196,7 +210,7 @@ def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
     return path
 
 
-def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> torch.Tensor:
+def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc: str) -> torch.Tensor:
     """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
 
     Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs, and of at most
@@ -204,7 +218,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
     group before the first forward, so a rank with another dataset fails fast instead of hanging in ZeRO-3).
 
     Args:
-        reference: A built reference backend (``sequence_logps``).
+        reference: A built reference (``sequence_logps``).
         dataset: Tokenised pairs.
         args: The run's ``PairDPOConfig`` (layout, device, dataloader settings, ``disable_tqdm``).
         desc: Name of the dataset for the progress bar and messages.
@@ -217,8 +231,9 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
     )
     assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
-    loader = DataLoader(
-        WeightedPairs(dataset),
+    view: Any = WeightedPairs(dataset)  # a map-style dataset (``__getitem__`` / ``__len__``), not a torch Dataset
+    loader: DataLoader[dict[str, Any]] = DataLoader(
+        view,
         batch_sampler=sampler,
         collate_fn=PackedPairCollator(),
         num_workers=args.dataloader_num_workers,
@@ -230,7 +245,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
         logps = reference.sequence_logps(batch).detach().float()
         kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
         indices.extend(keys[j][0] for j in kept)
-        values.append(logps.view(-1, 2)[kept])
+        values.append(pair_rows(logps)[kept])
     mine = (torch.tensor(indices, dtype=torch.int64), torch.cat(values).cpu() if values else torch.zeros(0, 2))
     result = torch.full((len(dataset), 2), float("nan"), dtype=torch.float32)
     seen = torch.zeros(len(dataset), dtype=torch.int64)
@@ -247,7 +262,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: Any, desc: str) -> 
     return result
 
 
-def _progress(loader: DataLoader, args: Any, desc: str):
+def _progress(loader: DataLoader, args: PairDPOConfig, desc: str):
     """A tqdm bar on the main process (unless ``disable_tqdm``), the plain loader elsewhere."""
     if args.disable_tqdm or args.process_index != 0:
         return loader

@@ -16,13 +16,16 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import VerifiedSnapshot
 from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.node import Node
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -53,13 +56,13 @@ class ReferenceSource:
 
 
 def resolve_reference_source(
-    args: Any, *, policy_source: str | None, policy_name_or_path: str | None, ref_model_given: bool
+    args: PairDPOConfig, *, policy_dir: str | None, policy_name_or_path: str | None, ref_model_given: bool
 ) -> ReferenceSource | None:
     """Decides, and for a pinned revision verifies, where the reference comes from. None when reference-free.
 
     Args:
         args: The run's ``PairDPOConfig``.
-        policy_source: Directory the trainer will load the policy from (the ``model`` argument was a path).
+        policy_dir: Directory the trainer will load the policy from (the ``model`` argument was a path).
         policy_name_or_path: ``model.name_or_path`` of an in-memory policy (a local directory or a hub name).
         ref_model_given: The user passed an explicit ``ref_model`` object.
 
@@ -73,7 +76,7 @@ def resolve_reference_source(
     if not args.uses_reference:  # reference_free=True, or only reference-free objectives
         return None
     if args.ref_model_revision is None:
-        return _unpinned(args, policy_source, ref_model_given)
+        return _unpinned(args, policy_dir, ref_model_given)
     if ref_model_given:
         raise ConfigError(
             "unsupported_combination",
@@ -81,14 +84,14 @@ def resolve_reference_source(
             "ref_model_name_or_path instead of the object, or drop ref_model_revision and set "
             "allow_unpinned_reference=True.",
         )
-    directory = args.ref_model_name_or_path or policy_source or policy_name_or_path
+    directory = args.ref_model_name_or_path or policy_dir or policy_name_or_path
     if directory is None or not os.path.isdir(directory):
         raise ConfigError(
             "reference_not_local",
             f"ref_model_revision is set but the reference {directory!r} is not a local directory: download it "
             "with `hf download REPO --revision <40-hex sha> --local-dir DIR` and set ref_model_name_or_path=DIR.",
         )
-    snapshot, hashed = _verify_once_per_node(args, directory)
+    snapshot, hashed = _verify_once_per_node(args, directory, args.ref_model_revision)
     logger.info(
         "reference snapshot %s verified at %s (%d files, %d hashed by this process)",
         directory,
@@ -99,10 +102,9 @@ def resolve_reference_source(
     return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id, files_hashed=hashed)
 
 
-def _verify_once_per_node(args: Any, directory: str) -> tuple[VerifiedSnapshot, int]:
+def _verify_once_per_node(args: PairDPOConfig, directory: str, revision: str) -> tuple[VerifiedSnapshot, int]:
     """The node's local main verifies and proves; the other ranks check with its proof (module docstring)."""
-    options = {"threads": args.verify_threads, "allow_pickle": args.allow_pickle_weights}
-    revision = args.ref_model_revision
+    options: dict[str, Any] = {"threads": args.verify_threads, "allow_pickle": args.allow_pickle_weights}
     shared = Node.from_args(args).once(
         lambda: verify_and_prove(directory, revision, progress=_progress_bar(directory), **options)
     )
@@ -112,7 +114,7 @@ def _verify_once_per_node(args: Any, directory: str) -> tuple[VerifiedSnapshot, 
     return verify_with_proof(directory, revision, proof, **options)
 
 
-def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> ReferenceSource:
+def _unpinned(args: PairDPOConfig, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
     if not args.allow_unpinned_reference:
         raise ConfigError(
             "reference_not_pinned",
@@ -125,7 +127,7 @@ def _unpinned(args: Any, policy_source: str | None, ref_model_given: bool) -> Re
         "allow_unpinned_reference=True: the reference is not verified against a pinned revision; its identity is "
         "recorded with pinned=false."
     )
-    directory = None if ref_model_given else (args.ref_model_name_or_path or policy_source)
+    directory = None if ref_model_given else (args.ref_model_name_or_path or policy_dir)
     if directory is not None and args.ref_model_name_or_path:
         require_model_directory(
             directory, role="reference", option="ref_model_name_or_path", code="reference_not_local"

@@ -150,7 +150,7 @@ def save_checkpoint_atomically(trainer: Any, trial: Any, write: Callable[[], Non
         error = _attempt(action, run_dir, name) if runs_here else None
         _agree(error, stage=stage, name=name, rank=args.process_index, cleanup=staged if args.should_save else None)
     if args.should_save:
-        logger.info("checkpoint %s complete (%d files)", final, len(read_manifest(final)["files"]))
+        logger.info("checkpoint %s complete (%d files)", final, len((read_manifest(final) or {"files": {}})["files"]))
     return final
 
 
@@ -222,7 +222,7 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, *, keep: tuple[Any, ...
     protected = {Path(p).resolve() for p in keep if p is not None}
     complete = [path for _, path in list_checkpoints(run_dir) if checkpoint_problem(path) is None]
     budget = max(limit, len(protected))
-    deleted = []
+    deleted: list[Path] = []
     for path in complete:
         if len(complete) - len(deleted) <= budget:
             break

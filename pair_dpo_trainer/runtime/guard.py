@@ -19,7 +19,7 @@ import logging
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -42,6 +42,9 @@ from pair_dpo_trainer.runtime.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.runtime.preemption import PreemptionHandler, TrainingPreempted
 from pair_dpo_trainer.runtime.resume import check_resumed_schedule, resolve_resume
 
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -52,7 +55,7 @@ class RunGuard:
         args: The ``PairDPOConfig`` (``output_dir``, ``ddp_timeout``, ``allow_resume_data_mismatch``, ranks).
     """
 
-    def __init__(self, args: Any) -> None:
+    def __init__(self, args: PairDPOConfig) -> None:
         self.args = args
         self.preemption = PreemptionHandler()
         self.resume_checkpoint: str | None = None
@@ -62,6 +65,11 @@ class RunGuard:
     @property
     def _is_main(self) -> bool:
         return self.args.process_index == 0
+
+    @property
+    def _output_dir(self) -> str:
+        """``args.output_dir`` (``TrainingArguments`` always sets one)."""
+        return str(self.args.output_dir)
 
     @contextlib.contextmanager
     def session(self, trainer: Any, resume_from_checkpoint: str | bool | None) -> Iterator[str | None]:
@@ -119,28 +127,28 @@ class RunGuard:
         Processes that share a process group but are each their own Trainer "main process" (a launch that does not
         form one job, e.g. torchrun without ``use_cpu`` on a CPU-only machine) all try; one is refused, so all stop.
         """
-        if self._locked == self.args.output_dir:
+        if self._locked == self._output_dir:
             return
         refusal = None
         if self._is_main:
             try:
-                warning = acquire_output_dir(self.args.output_dir)
+                warning = acquire_output_dir(self._output_dir)
             except RunError as exc:
                 refusal = (exc.reason_code, exc.message)
             else:
                 if warning:
                     logger.warning(warning)
-                weakref.finalize(trainer, release_output_dir, self.args.output_dir)
+                weakref.finalize(trainer, release_output_dir, self._output_dir)
         refusals = [r for r in all_gather_cpu(refusal) if r is not None]  # any rank that tried and was refused
         if refusals:
             raise RunError(*refusals[0])
-        self._locked = self.args.output_dir
+        self._locked = self._output_dir
 
     def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
         """Resolves the checkpoint on every rank (they must agree), then clears an interrupted run's leftovers."""
-        resume = resolve_resume(resume_from_checkpoint, self.args.output_dir, warn=self._is_main)
+        resume = resolve_resume(resume_from_checkpoint, self._output_dir, warn=self._is_main)
         if self._is_main:
-            clear_leftovers(self.args.output_dir)
+            clear_leftovers(self._output_dir)
         assert_ranks_agree("checkpoint to resume from", str(resume))
         if resume is not None and self._is_main:
             logger.warning("resuming from %s", resume)

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -33,7 +34,7 @@ WeightedIndex = tuple[int, float]
 
 
 def plan_eval(
-    costs: Sequence[int],
+    costs: Sequence[int] | np.ndarray,
     *,
     world_size: int,
     rank: int,
@@ -78,7 +79,7 @@ def plan_eval(
 
 
 def _plan_eval_budget(
-    costs: Sequence[int], order: list[int], world_size: int, rank: int, cap: int, budget: int
+    costs: Sequence[int] | np.ndarray, order: list[int], world_size: int, rank: int, cap: int, budget: int
 ) -> list[list[WeightedIndex]]:
     """Next-fit packing of each rank's strided share of ``order``; short ranks padded with weight-0 fillers."""
     counts = []
@@ -91,7 +92,7 @@ def _plan_eval_budget(
     return [[(i, 1.0) for i in batch] for batch in mine] + [filler] * (max(counts) - len(mine))
 
 
-def _next_fit(indices: list[int], costs: Sequence[int], cap: int, budget: int) -> list[list[int]]:
+def _next_fit(indices: list[int], costs: Sequence[int] | np.ndarray, cap: int, budget: int) -> list[list[int]]:
     """Consecutive ``indices`` in micro-batches of at most ``cap`` pairs and ``budget`` tokens."""
     batches: list[list[int]] = []
     load = 0
@@ -112,7 +113,7 @@ class EvalBatchSampler:
 
     def __init__(
         self,
-        costs: Sequence[int],
+        costs: Sequence[int] | np.ndarray,
         *,
         world_size: int,
         rank: int,
@@ -137,7 +138,7 @@ class EvalBatchSampler:
 class WeightedPairs:
     """Dataset view: ``view[(i, w)]`` is ``dataset[i]`` with an added ``pair_weight`` of ``w``."""
 
-    def __init__(self, dataset) -> None:
+    def __init__(self, dataset: Any) -> None:
         self.dataset = dataset
 
     def __getitem__(self, key: WeightedIndex) -> dict:

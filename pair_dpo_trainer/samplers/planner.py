@@ -307,7 +307,7 @@ def _differencing_merges(windows: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
 
 
 def plan_epoch_array(
-    costs: Sequence[int],
+    costs: Sequence[int] | np.ndarray,
     *,
     world_size: int,
     pairs_per_rank: int,
@@ -343,9 +343,10 @@ def plan_epoch_array(
     by_rank = _split_ranks(perm, cost[perm], world_size)  # [steps, W, P]
     flat = by_rank.reshape(steps * world_size, pairs_per_rank)
     if max_tokens_per_microbatch is None:
+        assert microbatches is not None, "the layout was validated above: a count or a budget"
         ordered = _split_microbatches(flat, cost[flat], microbatches)
-        sizes = np.broadcast_to(
-            np.asarray(microbatch_sizes(pairs_per_rank, microbatches)), (steps, world_size, microbatches)
+        sizes: np.ndarray = np.broadcast_to(
+            np.asarray(list(microbatch_sizes(pairs_per_rank, microbatches))), (steps, world_size, microbatches)
         )
     else:
         columns, sizes = pack_rows(cost[flat], int(max_tokens_per_microbatch), world_size)
@@ -477,7 +478,7 @@ def check_budget(cost: np.ndarray, budget: int) -> None:
         )
 
 
-def _check_costs(costs: Sequence[int]) -> np.ndarray:
+def _check_costs(costs: Sequence[int] | np.ndarray) -> np.ndarray:
     arr = np.asarray(costs)
     if arr.ndim != 1:
         raise ScheduleError("bad_cost", f"costs must be a 1-D sequence of integers, got shape {arr.shape}.")

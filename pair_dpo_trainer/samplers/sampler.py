@@ -16,13 +16,16 @@ agree.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from pair_dpo_trainer.errors import ScheduleError
 from pair_dpo_trainer.samplers.planner import EpochPlan, is_integer, plan_epoch_array
+
+if TYPE_CHECKING:
+    from pair_dpo_trainer.config import PairDPOConfig
 
 __all__ = ["PairBatchSampler", "PairStepSampler"]
 
@@ -61,7 +64,7 @@ class _PlannedSampler(Sampler):
     ) -> None:
         super().__init__()
         self._costs = np.array(costs, copy=True)
-        self._layout = {
+        self._layout: dict[str, Any] = {
             "world_size": world_size,
             "pairs_per_rank": pairs_per_rank,
             "microbatches": microbatches,
@@ -190,7 +193,7 @@ class PairBatchSampler(_PlannedSampler):
 
         Always the full epoch, even after :meth:`set_start_step` (use either it or ``SkipBatchSampler``).
         """
-        return self._steps * self.microbatches
+        return self._steps * int(self.microbatches)  # type: ignore[arg-type]  # a fixed count here (see __init__)
 
     def __iter__(self) -> Iterator[list[int]]:
         """Yields this rank's micro-batches of the current epoch, from the start step (then reset to 0)."""
@@ -214,7 +217,7 @@ class PairStepSampler(_PlannedSampler):
         return ([list(microbatch) for microbatch in step] for step in self._steps_to_run())
 
 
-def train_sampler(costs: Sequence[int], args: Any) -> PairBatchSampler | PairStepSampler:
+def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler | PairStepSampler:
     """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
     them), or whole steps when ``max_tokens_per_microbatch`` is set.
 

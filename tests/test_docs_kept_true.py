@@ -1,0 +1,108 @@
+"""Docs that tests keep true: every reason code raised anywhere is documented, every documented code is raised, every
+module is in docs/architecture.md (the docstring examples run through ``--doctest-modules``, see setup.cfg)."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "pair_dpo_trainer"
+CODE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)+$|^[a-z]+$")
+COMPUTED = {"invalid_config", "environment_drift", "save_failed"}
+"""Codes the package computes instead of spelling them in a raise: several problems at once
+(``run_checks.raise_problems``), a probe-only identity difference (``ReferenceComparison.reason_code``), a failed save
+on another rank (``runtime.checkpoint``)."""
+
+
+def _is_code(node: ast.AST) -> bool:
+    return isinstance(node, ast.Constant) and isinstance(node.value, str) and bool(CODE.match(node.value))
+
+
+def _is_problem(node: ast.AST) -> bool:
+    """A ``(code, ...)`` 2-tuple whose code has an underscore (``("bad_length", text)``)."""
+    return isinstance(node, ast.Tuple) and len(node.elts) == 2 and _is_code(node.elts[0]) and "_" in node.elts[0].value
+
+
+def _codes_in(tree: ast.AST) -> set[str]:
+    """``reason_code`` literals: ``SomeError("code", message)``, ``code=`` / ``reason_code=`` arguments, the
+    ``("code", message)`` problems of the collect-all checks and ``"[code] ..."`` device-assert messages."""
+    codes: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name.endswith(("Error", "Preempted")) and len(node.args) >= 2 and _is_code(node.args[0]):
+                codes.add(node.args[0].value)
+            codes.update(k.value.value for k in node.keywords if k.arg in ("code", "reason_code") and _is_code(k.value))
+        elif (
+            isinstance(node, ast.Tuple) and len(node.elts) == 2 and _is_code(node.elts[0]) and "_" in node.elts[0].value
+        ):
+            code, message = node.elts  # type: ignore[attr-defined]
+            same_name = isinstance(message, ast.Name) and message.id == code.value  # ("option", option)
+            if isinstance(message, (ast.JoinedStr, ast.BinOp, ast.Name)) and not same_name:  # not ("col", pa.int64())
+                codes.add(code.value)
+            elif isinstance(message, ast.Constant) and isinstance(message.value, str) and " " in message.value:
+                codes.add(code.value)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = re.match(r"^\[([a-z][a-z0-9_]+)\] ", node.value)
+            if match:
+                codes.add(match.group(1))
+    return codes
+
+
+def raised_codes() -> set[str]:
+    from pair_dpo_trainer.errors import SNAPSHOT_FIXES
+
+    sources = [*PACKAGE.rglob("*.py"), ROOT / "train.py"]
+    codes = set().union(*(_codes_in(ast.parse(path.read_text(), str(path))) for path in sources))
+    return codes | set(SNAPSHOT_FIXES)  # the snapshot codes are raised through a variable, each with its fix
+
+
+def documented_codes() -> set[str]:
+    return set(re.findall(r"^\| `([a-z0-9_]+)` \|", (ROOT / "docs" / "reason_codes.md").read_text(), re.M))
+
+
+def test_the_scan_finds_codes_raised_in_each_form() -> None:
+    source = """
+raise ConfigError("bad_beta", f"beta={beta}")
+problems.append(("bad_length", "max_length=1: set a value > 1."))
+problems.append(("bad_ref_zero_stage", problem))
+require_model_directory(path, code="model_not_found")
+torch._assert_async(ok, "[non_finite] a DPO loss is NaN")
+for name, value in (("pad_to_length", pad_to_length),): pass
+schema = pa.schema([("prompt_hash", pa.string())])
+"""
+    assert _codes_in(ast.parse(source)) == {
+        "bad_beta",
+        "bad_length",
+        "bad_ref_zero_stage",
+        "model_not_found",
+        "non_finite",
+    }
+
+
+def test_every_raised_reason_code_is_documented() -> None:
+    missing = raised_codes() - documented_codes()
+    assert not missing, f"add these codes to docs/reason_codes.md: {sorted(missing)}"
+
+
+def test_every_documented_reason_code_is_raised() -> None:
+    stale = documented_codes() - raised_codes() - COMPUTED
+    assert not stale, f"docs/reason_codes.md lists codes nothing raises: {sorted(stale)}"
+    assert COMPUTED <= documented_codes()
+
+
+def test_every_module_is_in_the_architecture_doc() -> None:
+    """Named by its path inside the package (``data/normalize.py``), or by its file name when that is unique."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    modules = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
+    names = collections.Counter(Path(m).name for m in modules)
+
+    def named(text: str) -> bool:
+        return re.search(r"(?<![\w/.])" + re.escape(text) + r"(?!\w)", doc) is not None
+
+    missing = [m for m in sorted(modules) if not named(m) and not (names[Path(m).name] == 1 and named(Path(m).name))]
+    assert not missing, f"describe these modules in docs/architecture.md: {missing}"
