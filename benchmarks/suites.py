@@ -8,6 +8,7 @@ adding an entry to :data:`SUITES` (``tests/test_bench_suites.py`` checks every s
 
 from __future__ import annotations
 
+from benchmarks.scaling import SCALING_SUITES
 from benchmarks.spec import Curves, Run, Setup, Suite, ours, ratios, train, trl
 
 NC = "--no-cudnn-sdp"  # cuDNN SDPA stalls on new shapes (docs/benchmarks.md): off in every GPU suite
@@ -616,5 +617,6 @@ SUITES: dict[str, Suite] = {
         *_launch_and_faults(),
         _objectives(),
         _data_scale(),
+        *SCALING_SUITES,
     )
 }

@@ -2,7 +2,7 @@
 two sides draw the same pairs and build the same random-init Llama.
 
 * Model sizes (``--model-size``): ``254m`` (hidden 1024, 16 layers, 16/8 heads, vocab 32000, the TRL baseline's
-  model), ``1.5b`` (hidden 2048, 24 layers, vocab 152064) and ``tiny`` (a CPU smoke test).
+  model), ``1.5b`` (hidden 2048, 24 layers, vocab 152064), ``8b`` (Llama-3-8B's shape) and ``tiny`` (a CPU smoke test).
 * Pairs of token ids drawn with ``numpy.random.default_rng(seed)`` in one fixed call order: prompt U[32, 512]; chosen /
   rejected ``clip(round(lognormal(log 200, 0.9)), 16, 1024)``, each ending with EOS (id 1); ids in [3, VOCAB). Or,
   with ``mix="heavy"``, ``sampler.py``'s heavy-tailed mix.
@@ -26,8 +26,12 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     # "1.5b": Qwen2-like width and vocabulary on the Llama architecture; untied head like the 254M model. 5632 =
     # 22 x 256 (tensor-core friendly, ~2.75 x hidden). 1.44e9 non-embedding parameters (head included), 1.76e9 in all.
     "1.5b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16),
+    # "8b": Llama-3-8B's shape (8.0e9 parameters; GQA 32/8 heads): with its reference and fp32 Adam state ~144 GB,
+    # more than one H200 holds, so it runs sharded only (benchmarks/scaling.py).
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
 }
-MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064}
+MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064, "8b": 128256}
+KV_HEADS = {"8b": 8}  # the others: half as many KV heads as query heads
 
 
 def make_pairs(n: int, seed: int, mix: str = "trl") -> list[dict[str, list[int]]]:
@@ -85,7 +89,8 @@ def make_tokenizer() -> Any:
 def model_dims(size: str) -> dict[str, int]:
     """``LlamaConfig`` keyword arguments of a ``--model-size`` (GQA with half as many KV heads as query heads)."""
     dims = dict(MODEL_SIZES[size])
-    dims.update(num_key_value_heads=dims["num_attention_heads"] // 2, vocab_size=MODEL_VOCAB[size])
+    kv_heads = KV_HEADS.get(size, dims["num_attention_heads"] // 2)
+    dims.update(num_key_value_heads=kv_heads, vocab_size=MODEL_VOCAB[size])
     return {**dims, "max_position_embeddings": 4096}
 
 
