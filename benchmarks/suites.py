@@ -8,7 +8,7 @@ adding an entry to :data:`SUITES` (``tests/test_bench_suites.py`` checks every s
 
 from __future__ import annotations
 
-from benchmarks.scaling import SCALING_SUITES
+from benchmarks.multi_gpu import SCALING_SUITES, launch_and_fault_suites
 from benchmarks.spec import Curves, Run, Setup, Suite, ours, ratios, train, trl
 
 NC = "--no-cudnn-sdp"  # cuDNN SDPA stalls on new shapes (docs/benchmarks.md): off in every GPU suite
@@ -497,64 +497,6 @@ def _zero3_train() -> tuple[Suite, ...]:
     return dp, long
 
 
-def _launch_and_faults() -> tuple[Suite, ...]:
-    demo = ("--max_steps", "5", "--logging_steps", "1", "--eval_strategy", "no", "--eval_on_start", "false",
-            "--eval_size", "0", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none")  # fmt: skip
-    z3j = ("--deepspeed", "accelerate_configs/deepspeed/zero3.json")
-    launch = {"timeout_s": 150}
-    paths = Suite(
-        name="h200x2-launch-paths",
-        summary="2x H200: the DPO defaults and every documented launch path (accelerate single / DDP / ZeRO-3, "
-        "torchrun + DeepSpeed, the deepspeed launcher) running train.py on the demo",
-        gpus=2,
-        deadline_s=540,
-        env=("OMP_NUM_THREADS=8",),
-        runs=(
-            Run("defaults", "module", ("benchmarks.checks", "defaults"), timeout_s=60, log="defaults.log"),
-            Run(
-                "defaults_fp16",
-                "module",
-                ("benchmarks.checks", "defaults"),
-                env=("ACCELERATE_MIXED_PRECISION=fp16",),
-                timeout_s=60,
-                log="defaults.log",
-            ),
-            train(
-                "single_gpu",
-                *demo,
-                launcher="accelerate",
-                config="accelerate_configs/single_gpu.yaml",
-                log="single_gpu.log",
-                **launch,
-            ),
-            train(
-                "ddp",
-                *demo,
-                launcher="accelerate",
-                config="accelerate_configs/multi_gpu_ddp.yaml",
-                processes=2,
-                log="ddp.log",
-                **launch,
-            ),
-            train("zero3_accelerate", *demo, launcher="accelerate", config=Z3, processes=2, log="zero3.log", **launch),
-            train("torchrun_deepspeed", *demo, *z3j, launcher="torchrun", processes=2, log="torchrun.log", **launch),
-            train("deepspeed_launcher", *demo, *z3j, launcher="deepspeed", processes=2, log="deepspeed.log", **launch),
-        ),  # fmt: skip
-        look_for="defaults.log: bf16=True mixed_precision=bf16 (bf16=False under fp16); every launch rc=0 with "
-        "`pair_dpo: world_size=N` once (1 for single_gpu, 2 for the others); first loss 0.6931",
-    )
-    faults = Suite(
-        name="h200x2-nccl-faults",
-        summary="2x H200, NCCL: a stalled rank ends the other within ddp_timeout=30 s; SIGTERM to one rank stops both "
-        "after the same step with a checkpoint (exit 75)",
-        gpus=2,
-        deadline_s=540,
-        runs=(Run("nccl_faults", "module", ("benchmarks.nccl_faults",), timeout_s=520, log="nccl_faults.log"),),
-        look_for='nccl_faults.jsonl: "ok": true on every line; rank0_exit_after_s a little above 30 for the stalls',
-    )
-    return paths, faults
-
-
 def _objectives() -> Suite:
     return Suite(
         name="h200-losses",
@@ -614,7 +556,7 @@ SUITES: dict[str, Suite] = {
         *_zero3_throughput(),
         *_zero3_variants(),
         *_zero3_train(),
-        *_launch_and_faults(),
+        *launch_and_fault_suites(),
         _objectives(),
         _data_scale(),
         *SCALING_SUITES,

@@ -27,7 +27,7 @@ MODEL_SIZES: dict[str, dict[str, int]] = {
     # 22 x 256 (tensor-core friendly, ~2.75 x hidden). 1.44e9 non-embedding parameters (head included), 1.76e9 in all.
     "1.5b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=24, num_attention_heads=16),
     # "8b": Llama-3-8B's shape (8.0e9 parameters; GQA 32/8 heads): with its reference and fp32 Adam state ~144 GB,
-    # more than one H200 holds, so it runs sharded only (benchmarks/scaling.py).
+    # more than one H200 holds, so it runs sharded only (benchmarks/multi_gpu.py).
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
 }
 MODEL_VOCAB = {"tiny": VOCAB, "254m": VOCAB, "1.5b": 152064, "8b": 128256}

@@ -1,6 +1,7 @@
-"""Multi-GPU scaling suites (issue 19): ZeRO-3 and FSDP2 with token-budget micro-batches at DP = 1, 2, 4, 8.
+"""Multi-GPU suites beside the ZeRO-3 history of ``suites.py``: the DPO defaults and every launch path, NCCL faults,
+and the scaling suites of issue 19 (ZeRO-3 and FSDP2 with token-budget micro-batches at DP = 1, 2, 4, 8).
 
-Every suite runs the same workload: the 1.5B random-init Llama, 32 pairs per GPU per optimizer step packed into
+Scaling: every suite runs the same workload: the 1.5B random-init Llama, 32 pairs per GPU per optimizer step packed into
 micro-batches of at most 16,384 tokens (GA 1), on the standard (TRL) and the heavy-tailed mix. For each mix, one
 GPU without sharding is the denominator (``base_*``, ``CUDA_VISIBLE_DEVICES=0`` in the same call) and the ratios give
 the per-GPU throughput of ZeRO-3 with ``ref_zero_stage=0`` and ``=3`` and of FSDP2 as a fraction of it (target
@@ -12,7 +13,7 @@ ZeRO-3 and FSDP2.
 
 from __future__ import annotations
 
-from benchmarks.spec import Run, Suite, ours, ratios
+from benchmarks.spec import Run, Suite, ours, ratios, train
 
 NC = "--no-cudnn-sdp"
 Z3 = "accelerate_configs/zero3.yaml"
@@ -25,6 +26,65 @@ SHARDED = {  # tag part -> (accelerate config, extra flags)
     "fsdp2": (FSDP2, ()),
 }
 KINDS = {1: "h200-scaling", 2: "h200x2-scaling", 4: "h200x4-scaling", 8: "h200x8-scaling"}
+
+
+def launch_and_fault_suites() -> tuple[Suite, ...]:
+    """``h200x2-launch-paths`` (train.py through every documented launcher) and ``h200x2-nccl-faults``."""
+    demo = ("--max_steps", "5", "--logging_steps", "1", "--eval_strategy", "no", "--eval_on_start", "false",
+            "--eval_size", "0", "--save_strategy", "no", "--disable_tqdm", "true", "--report_to", "none")  # fmt: skip
+    z3j = ("--deepspeed", "accelerate_configs/deepspeed/zero3.json")
+    launch = {"timeout_s": 150}
+    paths = Suite(
+        name="h200x2-launch-paths",
+        summary="2x H200: the DPO defaults and every documented launch path (accelerate single / DDP / ZeRO-3, "
+        "torchrun + DeepSpeed, the deepspeed launcher) running train.py on the demo",
+        gpus=2,
+        deadline_s=540,
+        env=("OMP_NUM_THREADS=8",),
+        runs=(
+            Run("defaults", "module", ("benchmarks.checks", "defaults"), timeout_s=60, log="defaults.log"),
+            Run(
+                "defaults_fp16",
+                "module",
+                ("benchmarks.checks", "defaults"),
+                env=("ACCELERATE_MIXED_PRECISION=fp16",),
+                timeout_s=60,
+                log="defaults.log",
+            ),
+            train(
+                "single_gpu",
+                *demo,
+                launcher="accelerate",
+                config="accelerate_configs/single_gpu.yaml",
+                log="single_gpu.log",
+                **launch,
+            ),
+            train(
+                "ddp",
+                *demo,
+                launcher="accelerate",
+                config="accelerate_configs/multi_gpu_ddp.yaml",
+                processes=2,
+                log="ddp.log",
+                **launch,
+            ),
+            train("zero3_accelerate", *demo, launcher="accelerate", config=Z3, processes=2, log="zero3.log", **launch),
+            train("torchrun_deepspeed", *demo, *z3j, launcher="torchrun", processes=2, log="torchrun.log", **launch),
+            train("deepspeed_launcher", *demo, *z3j, launcher="deepspeed", processes=2, log="deepspeed.log", **launch),
+        ),  # fmt: skip
+        look_for="defaults.log: bf16=True mixed_precision=bf16 (bf16=False under fp16); every launch rc=0 with "
+        "`pair_dpo: world_size=N` once (1 for single_gpu, 2 for the others); first loss 0.6931",
+    )
+    faults = Suite(
+        name="h200x2-nccl-faults",
+        summary="2x H200, NCCL: a stalled rank ends the other within ddp_timeout=30 s; SIGTERM to one rank stops both "
+        "after the same step with a checkpoint (exit 75)",
+        gpus=2,
+        deadline_s=540,
+        runs=(Run("nccl_faults", "module", ("benchmarks.nccl_faults",), timeout_s=520, log="nccl_faults.log"),),
+        look_for='nccl_faults.jsonl: "ok": true on every line; rank0_exit_after_s a little above 30 for the stalls',
+    )
+    return paths, faults
 
 
 def _mix_runs(dp: int, mix: str, steps: tuple[str, ...]) -> tuple[Run, ...]:
