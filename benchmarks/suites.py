@@ -68,7 +68,7 @@ def _smoke() -> tuple[Suite, ...]:
             ours("ours_tiny", "--tiny", timeout_s=60),
         ),
         ratios=ratios("ours/trl_sdpa", "ours/ours:pair_dpo_ceiling"),
-        look_for="rc=0 for every run; RATIO ours/trl_sdpa near the ~2.7-3x of docs/benchmarks.md's 254M rows",
+        look_for="rc=0 for every run; RATIO ours/trl_sdpa near the 1.85-1.90x of docs/benchmarks.md's eager 254M rows",
     )
     return cpu, h200
 
