@@ -27,6 +27,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from pair_dpo_trainer import PairDPOTrainer, ScheduleError
+from pair_dpo_trainer.runtime.collectives import end_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
@@ -243,8 +244,7 @@ def main() -> None:
             torch.save(results, out_dir / f"objectives_dp2_{layout}.pt")
     rank = dist.get_rank()
     (out_dir / f"disagree_rank{rank}.json").write_text(json.dumps(run_disagreement(out_dir, rank)))
-    dist.barrier()
-    dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
+    end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
 
 
 if __name__ == "__main__":

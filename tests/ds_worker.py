@@ -45,6 +45,7 @@ from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
+from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48
@@ -278,10 +279,7 @@ def main() -> None:
     (out_dir / f"errors_rank{rank}.json").write_text(json.dumps(per_rank))
     if rank == 0:
         torch.save(results, out_dir / "results.pt")
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
+    end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
 
 
 def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:

@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer import PairDPOTrainer  # noqa: E402
+from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
 
 GLOBAL_PAIRS = 8
@@ -213,11 +214,7 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     for spec in config["runs"]:
         run(spec)
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
+    end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from transformers import LlamaForCausalLM, TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.reference.engine import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
+from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
 from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_lora_llama  # noqa: E402
 from tests.ds_worker import (  # noqa: E402
     LOGPS_CHUNK,
@@ -339,10 +340,7 @@ def main() -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(per_rank))
     if rank == 0:
         torch.save(results, out_dir / "results.pt")
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()  # a live gloo group at interpreter exit can abort ("terminate called ...")
+    end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
 
 
 if __name__ == "__main__":
