@@ -154,7 +154,7 @@ def tokenize_pair(
         >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
         ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
     """
-    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
+    _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
     eos = _eos_token_id(tokenizer)
     if not has_chat_template(tokenizer):
         prompt_ids, chosen, rejected = _concatenated_ids(tokenizer, pair, eos)
@@ -268,12 +268,7 @@ def tokenize_dataset(
         >>> result.num_accepted, dict(result.rejections)  # doctest: +SKIP
         (1, {'schema': 1})
     """
-    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
-    limits: dict[str, Any] = {
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "max_tokens_per_microbatch": max_tokens_per_microbatch,
-    }
+    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
 
     def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool]:
         pair = normalize_row(row)
@@ -312,12 +307,7 @@ def truncate_dataset(
         >>> result.features[0]["prompt_input_ids"], result.features[0]["chosen_input_ids"], result.num_truncated
         ([2, 3], [4, 5], 1)
     """
-    _check_lengths(max_length, max_prompt_length, max_tokens_per_microbatch)
-    limits: dict[str, Any] = {
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "max_tokens_per_microbatch": max_tokens_per_microbatch,
-    }
+    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
 
     def convert(row: Any) -> tuple[None, dict[str, Any], bool]:
         tokenized = truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
@@ -407,7 +397,14 @@ def pair_cost_array(rows: Any) -> np.ndarray:
     return np.fromiter(costs, dtype=np.int64)
 
 
-def _check_lengths(max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None) -> None:
+def _checked_limits(
+    max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None
+) -> dict[str, Any]:
+    """The three length limits as the keyword arguments of :func:`tokenize_pair` / :func:`truncate_pair`.
+
+    Raises:
+        ConfigError: ``bad_length`` for a limit that is not a positive integer.
+    """
     for name, value, optional in (
         ("max_length", max_length, False),
         ("max_prompt_length", max_prompt_length, True),
@@ -417,6 +414,11 @@ def _check_lengths(max_length: int, max_prompt_length: int | None, max_tokens_pe
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ConfigError("bad_length", f"{name}={value!r}: set a positive integer.")
+    return {
+        "max_length": max_length,
+        "max_prompt_length": max_prompt_length,
+        "max_tokens_per_microbatch": max_tokens_per_microbatch,
+    }
 
 
 def _eos_token_id(tokenizer: Any) -> int:
