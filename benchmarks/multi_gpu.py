@@ -87,24 +87,26 @@ def launch_and_fault_suites() -> tuple[Suite, ...]:
     return paths, faults
 
 
+def _sharded_runs(
+    dp: int, suffix: str, model: tuple[str, ...], names: tuple[str, ...], timeout_s: int
+) -> tuple[Run, ...]:
+    """One ``ours`` run per sharding of :data:`SHARDED` named in ``names``, tagged ``NAME_SUFFIX``, on ``dp`` GPUs."""
+    return tuple(
+        ours(f"{name}_{suffix}", NC, "--progress", *model, *SHARDED[name][1], launcher="accelerate",
+             config=SHARDED[name][0], processes=dp, timeout_s=timeout_s)
+        for name in names
+    )  # fmt: skip
+
+
 def _mix_runs(dp: int, mix: str, steps: tuple[str, ...]) -> tuple[Run, ...]:
     model = ("--model-size", "1.5b", *MIXES[mix], *BUDGET, *steps)
     base = ours(f"base_{mix}", NC, "--progress", *model, env=("CUDA_VISIBLE_DEVICES=0",), timeout_s=90)
-    sharded = tuple(
-        ours(f"{name}_{mix}", NC, "--progress", *model, *extra, launcher="accelerate", config=config, processes=dp,
-             timeout_s=150)
-        for name, (config, extra) in SHARDED.items()
-    )  # fmt: skip
-    return (base, *sharded)
+    return (base, *_sharded_runs(dp, mix, model, tuple(SHARDED), timeout_s=150))
 
 
 def _large_runs(dp: int) -> tuple[Run, ...]:
     model = ("--model-size", "8b", *MIXES["std"], *BUDGET, "--steps", "4", "--warmup", "2")
-    return tuple(
-        ours(f"{name}_8b", NC, "--progress", *model, *extra, launcher="accelerate", config=config, processes=dp,
-             timeout_s=420)
-        for name, (config, extra) in SHARDED.items() if name != "z3ref0"
-    )  # fmt: skip
+    return _sharded_runs(dp, "8b", model, ("z3ref3", "fsdp2"), timeout_s=420)
 
 
 def scaling_suite(dp: int) -> Suite:
