@@ -124,8 +124,9 @@ class RunGuard:
     def _lock(self, trainer: Any) -> None:
         """The main process takes the output-dir lock (once per trainer); every rank learns the outcome.
 
-        Processes that share a process group but are each their own Trainer "main process" (a launch that does not
-        form one job, e.g. torchrun without ``use_cpu`` on a CPU-only machine) all try; one is refused, so all stop.
+        Processes that share a process group but are each their own Trainer "main process" all try; one is refused,
+        so all stop. ``launch.py`` refuses such launches first (``launch_not_one_job``; torchrun without ``use_cpu``
+        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``.
         """
         if self._locked == self._output_dir:
             return
