@@ -151,13 +151,15 @@ def prepare(args: argparse.Namespace) -> None:
     env = _environment()
     tokenizer = str(bundled_model_dir())
 
-    def call(source: str, out: Path, workers: int, train: int, eval_: int) -> None:
+    def call(source: str, out: Path, workers: int, train: int, eval_: int) -> dict[str, float]:
         argv = ["prepare-data", source, "--output", str(out), "--tokenizer", tokenizer, "--train-size", str(train)]
-        argv += ["--eval-size", str(eval_), "--seed", "0", "--num-proc", str(workers), "--disable-tqdm"]
+        argv += ["--eval-size", str(eval_), "--seed", "0", "--num-proc", str(workers)]
         argv += shlex.split(args.extra)
-        with contextlib.redirect_stdout(io.StringIO()):
+        err = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             if cli_main(argv) != 0:
-                raise SystemExit(f"prepare-data failed: {argv}")
+                raise SystemExit(f"prepare-data failed: {argv}\n{err.getvalue()[-2000:]}")
+        return _phases(err.getvalue())
 
     with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:  # warm-up: imports, tokenizer, a pool start
         warm = Path(tmp) / "warm.jsonl"
@@ -172,7 +174,7 @@ def prepare(args: argparse.Namespace) -> None:
                 out = Path(tmp) / "out"
                 memory = PeakMemory()
                 cpu0, load, start = _cpu(), os.getloadavg()[0], time.perf_counter()
-                call(args.input, out, workers, int(rows * 0.9), int(rows * 0.05))
+                phases = call(args.input, out, workers, int(rows * 0.9), int(rows * 0.05))
                 wall, cpu1, peak = time.perf_counter() - start, _cpu(), memory.stop()
                 manifest = json.loads((out / "manifest.json").read_text())
                 outputs = {name: entry["sha256"][:16] for name, entry in manifest["outputs"].items()}
@@ -182,7 +184,7 @@ def prepare(args: argparse.Namespace) -> None:
             record |= {"rows_per_s": round(rows / wall), "cpu_main_s": round(cpu1[0] - cpu0[0], 1)}
             record |= {"cpu_workers_s": round(cpu1[1] - cpu0[1], 1), "main_peak_mib": peak}
             record |= {"workers_max_rss_mib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)}
-            record |= {"load_before": load, "outputs": outputs, "env": env if repeat == 0 else None}
+            record |= {"phases_s": phases, "load_before": load, "outputs": outputs, "env": env if repeat == 0 else None}
             _emit(args.results, record)
     print(f"SAME_OUTPUTS {len({json.dumps(o, sort_keys=True) for o in outputs_seen}) == 1} ({len(outputs_seen)} runs)")
     base = best[args.num_proc[0]]
@@ -192,6 +194,17 @@ def prepare(args: argparse.Namespace) -> None:
             f"RATIO best-of-{args.repeats}: {workers} workers = {ratio:.2f}x {args.num_proc[0]} worker(s) "
             f"({rows} rows: {best[workers]:.1f} s, {rows / best[workers]:.0f} rows/s)"
         )
+
+
+def _phases(stderr: str) -> dict[str, float]:
+    """The seconds of each phase from prepare-data's last stderr line (``tokenised N rows in T s ...; split in S s;
+    wrote the splits in W s``); the bars before it are tqdm's, rate-limited (a negligible cost)."""
+    import re
+
+    found = re.search(r"rows in ([0-9.]+) s .*split in ([0-9.]+) s; wrote the splits in ([0-9.]+) s", stderr)
+    if found is None:
+        raise SystemExit(f"prepare-data printed no phase times: {stderr[-500:]!r}")
+    return dict(zip(("tokenise", "split", "write"), map(float, found.groups()), strict=True))
 
 
 # ------------------------------------------------------------------------------------------------ trainer (2 ranks)

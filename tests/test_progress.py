@@ -70,6 +70,8 @@ def test_prepare_data_shows_a_bar_per_input(tmp_path, capsys, flag):
     assert "%|" not in captured.out  # the summary on stdout stays clean
     if flag:
         assert captured.err == ""
+    else:  # the phases' seconds, on the last line
+        assert re.search(r"tokenised 30 rows in [0-9.]+ s .* split in [0-9.]+ s; wrote the splits in", captured.err)
 
 
 @pytest.mark.slow

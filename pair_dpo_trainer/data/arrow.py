@@ -50,17 +50,19 @@ class StreamFile:
 
 
 class _HashingSink:
-    """A binary file that hashes what is written to it (pyarrow writes through ``write``)."""
+    """A binary file that hashes what is written to it (pyarrow writes through ``write``); ``durable=False``: neither
+    hashed nor fsynced (a scratch file)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, durable: bool = True) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
-        self._digest = hashlib.sha256()
+        self._digest = hashlib.sha256() if durable else None
         self.size = 0
         self.closed = False
 
     def write(self, data: Any) -> int:
         view = memoryview(data)
-        self._digest.update(view)
+        if self._digest is not None:
+            self._digest.update(view)
         self.size += view.nbytes
         return self._file.write(view)
 
@@ -70,12 +72,13 @@ class _HashingSink:
     def close(self) -> None:
         if not self.closed:
             self._file.flush()
-            os.fsync(self._file.fileno())
+            if self._digest is not None:
+                os.fsync(self._file.fileno())
             self._file.close()
             self.closed = True
 
     def hexdigest(self) -> str:
-        return self._digest.hexdigest()
+        return "" if self._digest is None else self._digest.hexdigest()
 
 
 class StreamWriter:
@@ -84,6 +87,8 @@ class StreamWriter:
     Args:
         path: The file (created or replaced).
         schema: The schema of every batch.
+        durable: Hash the bytes and fsync on close (False, for a scratch file read back once by this process: neither;
+            ``result.sha256`` is then empty).
 
     Example:
         >>> with StreamWriter(path, schema) as writer:  # doctest: +SKIP
@@ -91,8 +96,8 @@ class StreamWriter:
         >>> writer.result.rows  # doctest: +SKIP
     """
 
-    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema) -> None:
-        self._sink = _HashingSink(Path(path))
+    def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, *, durable: bool = True) -> None:
+        self._sink = _HashingSink(Path(path), durable)
         self._writer = pa.ipc.new_stream(self._sink, schema)
         self._rows = 0
         self.result: StreamFile | None = None
@@ -129,6 +134,18 @@ def write_stream(path: str | os.PathLike[str], schema: pa.Schema, batches: Itera
 def ids_array(sequences: Sequence[Sequence[int]]) -> pa.Array:
     """A ``list<int32>`` array of token-id sequences (ids must fit in int32: every vocabulary does)."""
     return pa.array(sequences, type=IDS_TYPE)
+
+
+def binary_values(array: pa.Array) -> memoryview:
+    """The concatenated values of a ``binary`` array without nulls, as one view of its data buffer (no Python object per
+    value: the bytes ``b"".join(array.to_pylist())`` would build)."""
+    if array.null_count:
+        raise ValueError("binary_values: the array has nulls")
+    if not len(array):
+        return memoryview(b"")
+    offsets = np.frombuffer(array.buffers()[1], dtype=np.int32, count=array.offset + len(array) + 1)
+    data = array.buffers()[2]
+    return memoryview(data)[int(offsets[array.offset]) : int(offsets[-1])]
 
 
 def open_arrow(path: str | os.PathLike[str]) -> Any:

@@ -27,18 +27,21 @@ import os
 import secrets
 import shutil
 import sys
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.data.parallel import MAX_NUM_PROC, resolve_num_proc
-from pair_dpo_trainer.data.prepare_rows import Candidate, ReadResult, read_inputs, write_splits
+from pair_dpo_trainer.data.prepare_rows import Candidate, PromptGroups, ReadResult, read_inputs, write_splits
 from pair_dpo_trainer.data.prepared import MANIFEST_FORMAT
 from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, sha256_file
-from pair_dpo_trainer.data.splits import split_by_prompt
+from pair_dpo_trainer.data.splits import split_by_prompt, split_groups
 from pair_dpo_trainer.errors import PairDPOError
 
 OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "train.arrow", "eval.arrow", "manifest.json")
@@ -65,6 +68,14 @@ class Split:
 
     train: list[Any]
     eval: list[Any]
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The candidates chosen for each split: ``int64`` candidate numbers, ascending (input order)."""
+
+    train: np.ndarray
+    eval: np.ndarray
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -129,11 +140,15 @@ def run(args: argparse.Namespace) -> int:
         loaded = _load_tokenizer(args.tokenizer)
         with _staged(output) as tmp:
             read = _read_all(args, loaded.tokenizer, tmp / CANDIDATES)
-            split = _select(read, args)
+            started = time.perf_counter()
+            groups = read.groups()
+            split = _select(groups, read, args)
+            split_seconds, started = time.perf_counter() - started, time.perf_counter()
             outputs = write_splits(tmp, read, {"train": split.train, "eval": split.eval})
+            write_seconds = time.perf_counter() - started
             (tmp / CANDIDATES).unlink()
             text = json.dumps(
-                {**_manifest(args, read, loaded.info, split), "outputs": outputs}, indent=2, sort_keys=True
+                {**_manifest(args, read, loaded.info, split, groups), "outputs": outputs}, indent=2, sort_keys=True
             )
             (tmp / "manifest.json").write_bytes((text + "\n").encode("utf-8"))
     except (UsageError, InputError, PairDPOError) as exc:
@@ -148,7 +163,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"  e.g. [{code}] {tally.examples[code]}")
     print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
     if not args.disable_tqdm:
-        print(f"tokenised {tally.rate()} on {read.workers} worker(s)", file=sys.stderr)
+        print(
+            f"tokenised {tally.rate()} on {read.workers} worker(s); split in {split_seconds:.2f} s; "
+            f"wrote the splits in {write_seconds:.2f} s",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -241,6 +260,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any, candidates: Path) -> Rea
         tokenizer,
         limits,
         candidates,
+        seed=args.seed,
         strict=args.strict,
         num_proc=resolve_num_proc(args.num_proc),
         progress=None if args.disable_tqdm else _progress_bar,
@@ -253,18 +273,12 @@ def _progress_bar(name: str, total: int) -> Any:
     return tqdm(total=total, desc=name, unit="row", file=sys.stderr)
 
 
-def _select(read: ReadResult, args: argparse.Namespace) -> Split:
-    """The split of the candidates (indices into them), or the shortfall as a ``UsageError``."""
-    train, eval_ = split_by_prompt(
-        range(len(read.hashes)),
-        read.hashes.__getitem__,
-        train_size=args.train_size,
-        eval_size=args.eval_size,
-        seed=args.seed,
-    )
+def _select(groups: PromptGroups, read: ReadResult, args: argparse.Namespace) -> Selection:
+    """The split of the candidates (their numbers, ascending), or the shortfall as a ``UsageError``."""
+    train, eval_ = split_groups(groups.group_of_row, groups.keys, train_size=args.train_size, eval_size=args.eval_size)
     if len(train) < args.train_size or len(eval_) < args.eval_size:
-        raise UsageError(_shortfall_message(args, read))
-    return Split(train=sorted(train), eval=sorted(eval_))
+        raise UsageError(_shortfall_message(args, read, groups))
+    return Selection(train=np.sort(train), eval=np.sort(eval_))
 
 
 def _counts(counter: Counter[str]) -> str:
@@ -273,9 +287,9 @@ def _counts(counter: Counter[str]) -> str:
     return ": " + ", ".join(f"{code}={counter[code]}" for code in sorted(counter))
 
 
-def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
+def _shortfall_message(args: argparse.Namespace, read: ReadResult, groups: PromptGroups) -> str:
     need = args.train_size + args.eval_size
-    valid, tally = len(read.hashes), read.tally
+    valid, tally = len(groups.group_of_row), read.tally
     if valid < need:
         rejected = sum(tally.rejections.values())
         hint = f" First rejection: {tally.first_rejection}" if tally.first_rejection else ""
@@ -283,7 +297,7 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
             f"only {valid} valid pairs ({rejected} rows rejected{_counts(tally.rejections)}), but "
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
         )
-    prompts = len(set(read.hashes))
+    prompts = groups.count()
     return (
         f"{valid} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
         f"{args.train_size} train + {args.eval_size} eval pairs without a prompt in both splits; "
@@ -291,7 +305,9 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult) -> str:
     )
 
 
-def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[str, Any], split: Split) -> dict:
+def _manifest(
+    args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[str, Any], split: Selection, groups: PromptGroups
+) -> dict:
     from pair_dpo_trainer import __version__
 
     return {
@@ -309,7 +325,7 @@ def _manifest(args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[s
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "tokenizer": tokenizer_info,
         "splits": {
-            name: {"pairs": len(rows), "prompts": len({read.hashes[i] for i in rows})}
+            name: {"pairs": len(rows), "prompts": groups.count(rows)}
             for name, rows in (("train", split.train), ("eval", split.eval))
         },
     }

@@ -2,20 +2,27 @@
 
 Reading (:func:`read_inputs`): each input file is streamed in chunks (:class:`~pair_dpo_trainer.data.streams.
 FileStream`), tokenised by ``num_proc`` workers (:mod:`pair_dpo_trainer.data.chunks`) and every accepted row is
-appended, in input order, to one Arrow stream file of candidates on disk: its JSON line as it will be written, the
-Arrow columns of :data:`~pair_dpo_trainer.data.prepared.PREPARED_SCHEMA`, and its prompt hash. The process keeps only
-the chunks in flight and the prompt hash of each accepted row (the split needs every row's prompt group).
+appended, in input order, to one Arrow stream file of candidates on disk (scratch: neither hashed nor fsynced): its
+JSON line as it will be written, the Arrow columns of :data:`~pair_dpo_trainer.data.prepared.PREPARED_SCHEMA`, and its
+prompt group's split key (the workers compute it: the serial work left to this process is reading lines, writing
+batches and, at the end, one vectorised sort). The process keeps only the chunks in flight and, as Arrow arrays, the
+prompt hash and split key of each accepted row (the split needs every row's prompt group): ~100 bytes per row.
+
+Splitting (:meth:`ReadResult.groups`, then :func:`~pair_dpo_trainer.data.splits.split_groups`): the prompt hashes are
+dictionary-encoded into group numbers and the groups sorted by key in numpy, no Python object per row.
 
 Writing (:func:`write_splits`): one sequential pass over the candidates (read a batch at a time, not memory-mapped, so
-the process holds one batch) writes each split's rows, in input order, to
-``<split>.jsonl`` and ``<split>.arrow`` (hashing both as they are written). Everything written depends only on the
-inputs and the arguments, never on the number of workers: byte-identical outputs for any ``--num-proc``.
+the process holds one batch) writes each split's rows, in input order, to ``<split>.jsonl`` (the JSON lines straight
+from the Arrow buffer) and ``<split>.arrow``, hashing both as they are written and fsyncing them. Everything written
+depends only on the inputs and the arguments, never on the number of workers: byte-identical outputs for any
+``--num-proc``.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +30,19 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from pair_dpo_trainer.data.arrow import StreamWriter, ids_array
+from pair_dpo_trainer.data.arrow import StreamWriter, binary_values, ids_array
 from pair_dpo_trainer.data.chunks import PairConverter, Tally, convert_chunks
 from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
 from pair_dpo_trainer.data.prepared import PREPARED_SCHEMA
+from pair_dpo_trainer.data.splits import SPLIT_KEY_BYTES, group_keys, split_key
 from pair_dpo_trainer.data.streams import Chunk, FileStream
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, TokenizationResult
 
-CANDIDATES_SCHEMA = pa.schema([("json_line", pa.binary()), *PREPARED_SCHEMA])
-"""The candidates file: each accepted row's output JSON line, then its Arrow columns."""
+CANDIDATES_SCHEMA = pa.schema([("json_line", pa.binary()), *PREPARED_SCHEMA, ("split_key", pa.binary(SPLIT_KEY_BYTES))])
+"""The candidates file: each accepted row's output JSON line, its Arrow columns, and its prompt group's
+:func:`~pair_dpo_trainer.data.splits.split_key` (computed by the workers: the split itself then only sorts)."""
 
 
 @dataclass(frozen=True)
@@ -66,9 +76,11 @@ class CandidateRows:
 
     Attributes:
         source: The input's file name, recorded in each row.
+        seed: The split's seed (of each row's ``split_key``).
     """
 
     source: str
+    seed: int
 
     def __call__(self, result: TokenizationResult, chunk: Chunk, _source: Any) -> pa.RecordBatch:
         pairs = result.pairs or []
@@ -83,6 +95,7 @@ class CandidateRows:
             "source": pa.array([c.source for c in rows], pa.string()),
             "source_row": pa.array([c.row for c in rows], pa.int64()),
             "pair": pa.array([_json_text(c.pair.as_row()) for c in rows], pa.string()),
+            "split_key": pa.array([split_key(self.seed, c.prompt_hash) for c in rows], pa.binary(SPLIT_KEY_BYTES)),
         }
         return pa.RecordBatch.from_pydict(columns, schema=CANDIDATES_SCHEMA)
 
@@ -98,13 +111,51 @@ class InputSummary:
 
 @dataclass
 class ReadResult:
-    """Every input read: the candidates file, each accepted row's prompt hash, the inputs and the tally."""
+    """Every input read: the candidates file, each accepted row's prompt hash and split key (Arrow arrays, one per
+    chunk: no Python object per row), the inputs and the tally."""
 
     candidates: Path
-    hashes: list[str] = field(default_factory=list)
+    prompt_hashes: list[pa.Array] = field(default_factory=list)
+    split_keys: list[pa.Array] = field(default_factory=list)
     inputs: list[InputSummary] = field(default_factory=list)
     tally: Tally = field(default_factory=Tally)
     workers: int = 1
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        """Records one candidates batch's prompt hashes and split keys."""
+        self.prompt_hashes.append(batch.column("prompt_hash"))
+        self.split_keys.append(batch.column("split_key"))
+
+    def groups(self) -> PromptGroups:
+        """The candidates' prompt groups (numbered in order of first appearance) and their split keys."""
+        hashes = pa.chunked_array(self.prompt_hashes, pa.string()).combine_chunks()
+        codes = pc.dictionary_encode(hashes)  # group numbers in order of first appearance
+        group_of_row = codes.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        num_groups = len(codes.dictionary)
+        first_row = np.full(num_groups, len(group_of_row), np.int64)
+        np.minimum.at(first_row, group_of_row, np.arange(len(group_of_row)))
+        keys = pa.chunked_array(self.split_keys, pa.binary(SPLIT_KEY_BYTES)).combine_chunks()
+        digests = keys.take(pa.array(first_row)).buffers()[1]
+        return PromptGroups(group_of_row, group_keys(digests if digests is not None else b"", num_groups))
+
+
+@dataclass(frozen=True)
+class PromptGroups:
+    """The candidates' prompt groups.
+
+    Attributes:
+        group_of_row: ``int64 [candidates]``: each candidate's group number.
+        keys: ``uint64 [groups, 4]``: each group's split key (:func:`~pair_dpo_trainer.data.splits.group_keys`).
+    """
+
+    group_of_row: np.ndarray
+    keys: np.ndarray
+
+    def count(self, rows: np.ndarray | None = None) -> int:
+        """The number of distinct prompts among ``rows`` (all candidates for None)."""
+        if rows is None:
+            return len(self.keys)
+        return int(np.unique(self.group_of_row[rows]).size)
 
 
 def read_inputs(
@@ -113,6 +164,7 @@ def read_inputs(
     limits: dict[str, Any],
     candidates: Path,
     *,
+    seed: int,
     strict: bool,
     num_proc: int,
     progress: Callable[[str, int], Any] | None = None,
@@ -123,7 +175,8 @@ def read_inputs(
         paths: The input files, in order.
         tokenizer: The tokenizer.
         limits: The keyword limits of :func:`~pair_dpo_trainer.data.tokenize.tokenize_pair`.
-        candidates: The candidates file to write.
+        candidates: The candidates file to write (scratch: not fsynced).
+        seed: The split's seed (each row's ``split_key``).
         strict: Raise the first rejected row (its ``PreferenceRowError``) instead of counting it.
         num_proc: Worker processes.
         progress: ``progress(name, total_rows)`` -> a tqdm bar for one input, or None for no bars.
@@ -133,21 +186,22 @@ def read_inputs(
         PreferenceRowError: With ``strict``, the first rejected row.
     """
     read = ReadResult(candidates, tally=Tally(strict=strict))
-    with StreamWriter(candidates, CANDIDATES_SCHEMA) as writer:
+    with StreamWriter(candidates, CANDIDATES_SCHEMA, durable=False) as writer:
         for path in paths:
             name = Path(path).name
             stream = FileStream(path)
             chunks = stream.chunks()
             head = list(itertools.islice(chunks, 2))
             read.workers = max(read.workers, num_proc if len(head) > 1 else 1)
-            converter = PairConverter(tokenizer, limits, name, first_row=1, encode=CandidateRows(name), keep_pairs=True)
+            encode = CandidateRows(name, seed)
+            converter = PairConverter(tokenizer, limits, name, first_row=1, encode=encode, keep_pairs=True)
             bar = progress(name, stream.expected_rows()) if progress is not None else None
             try:
                 for result in convert_chunks(
                     converter, itertools.chain(head, chunks), num_proc=num_proc, tally=read.tally, progress=bar
                 ):
                     writer.write(result.batch)
-                    read.hashes.extend(result.batch.column("prompt_hash").to_pylist())
+                    read.add(result.batch)
             finally:
                 if bar is not None:
                     bar.close()
@@ -155,15 +209,15 @@ def read_inputs(
     return read
 
 
-def write_splits(directory: Path, read: ReadResult, assignment: dict[str, list[int]]) -> dict[str, dict[str, Any]]:
-    """Writes ``<split>.jsonl`` and ``<split>.arrow`` for each split of ``assignment`` (candidate indices).
+def write_splits(directory: Path, read: ReadResult, assignment: dict[str, np.ndarray]) -> dict[str, dict[str, Any]]:
+    """Writes ``<split>.jsonl`` and ``<split>.arrow`` for each split of ``assignment`` (candidate numbers).
 
     Rows are written in input order, one batch of the candidates file at a time.
 
     Returns:
         ``{file name: {"rows": n, "sha256": hex}}`` for the manifest's ``outputs``.
     """
-    split_of = np.full(len(read.hashes), -1, dtype=np.int8)
+    split_of = np.full(read.tally.num_accepted, -1, dtype=np.int8)
     names = list(assignment)
     for number, name in enumerate(names):
         split_of[np.asarray(assignment[name], dtype=np.int64)] = number
@@ -196,13 +250,17 @@ class _SplitWriter:
         self._arrow = StreamWriter(directory / f"{name}.arrow", PREPARED_SCHEMA)
 
     def write(self, batch: pa.RecordBatch) -> None:
-        data = b"".join(batch.column("json_line").to_pylist())
+        if not batch.num_rows:
+            return
+        data = binary_values(batch.column("json_line"))
         self._jsonl.write(data)
         self._digest.update(data)
         self._arrow.write(batch.select(PREPARED_SCHEMA.names))
         self.rows += batch.num_rows
 
     def close(self) -> dict[str, dict[str, Any]]:
+        self._jsonl.flush()
+        os.fsync(self._jsonl.fileno())
         self._jsonl.close()
         arrow = self._arrow.close()
         return {

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
+
 from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.readers import iter_rows, load_rows
@@ -16,15 +18,26 @@ from pair_dpo_trainer.errors import PreferenceRowError
 T = TypeVar("T")
 
 
+SPLIT_KEY_BYTES = 32
+"""Bytes of a prompt group's visiting key (a SHA-256 digest)."""
+
+
+def split_key(seed: int, prompt_hash: str) -> bytes:
+    """The key that orders a prompt group in :func:`split_by_prompt`: ``sha256(f"{seed}\\0{prompt_hash}")``.
+
+    Ordering by the digest's bytes is ordering by its hex digest; neither depends on the input order nor on the Python
+    version. ``prepare-data``'s workers compute it for each row, so the split itself only sorts.
+    """
+    return hashlib.sha256(f"{seed}\0{prompt_hash}".encode()).digest()
+
+
 def split_by_prompt(
     items: Sequence[T], key: Callable[[T], str], *, train_size: int, eval_size: int, seed: int
 ) -> tuple[list[T], list[T]]:
     """Chooses eval then train items from whole prompt groups, deterministically from ``seed``.
 
-    Groups (items with the same ``key``, a prompt hash) are visited in the order of ``sha256(seed, key)``, which
-    depends neither on the input order nor on the Python version. Eval takes every group that fits in its remaining
-    need; if it is still short, it takes part of the smallest remaining group (the rest of that group is dropped).
-    Train then takes groups in order, the last one possibly in part. A split that cannot be filled comes back short.
+    Groups (items with the same ``key``, a prompt hash) are visited in the order of :func:`split_key`; the choice is
+    :func:`split_groups`'. A split that cannot be filled comes back short.
 
     Example:
         >>> train, held_out = split_by_prompt(["a", "a", "b", "c"], key=str, train_size=9, eval_size=2, seed=0)
@@ -32,29 +45,104 @@ def split_by_prompt(
         True
 
     Returns:
-        ``(train_items, eval_items)``.
+        ``(train_items, eval_items)``, each in group visiting order (a group's items in input order).
     """
-    groups: dict[str, list[T]] = {}
-    for item in items:
-        groups.setdefault(key(item), []).append(item)
-    order = sorted(groups, key=lambda h: hashlib.sha256(f"{seed}\0{h}".encode()).hexdigest())
-    eval_items: list[T] = []
-    rest: list[str] = []
-    for group in order:
-        if len(eval_items) < eval_size and len(groups[group]) <= eval_size - len(eval_items):
-            eval_items.extend(groups[group])
-        else:
-            rest.append(group)
-    if len(eval_items) < eval_size and rest:
-        smallest = min(rest, key=lambda h: len(groups[h]))
-        rest.remove(smallest)
-        eval_items.extend(groups[smallest][: eval_size - len(eval_items)])
-    train_items: list[T] = []
-    for group in rest:
-        if len(train_items) >= train_size:
+    group_ids: dict[str, int] = {}
+    group_of_item = np.fromiter((group_ids.setdefault(key(item), len(group_ids)) for item in items), np.int64)
+    keys = b"".join(split_key(seed, name) for name in group_ids)
+    train, held_out = split_groups(
+        group_of_item, group_keys(keys, len(group_ids)), train_size=train_size, eval_size=eval_size
+    )
+    return [items[i] for i in train.tolist()], [items[i] for i in held_out.tolist()]
+
+
+def group_keys(digests: bytes | memoryview, count: int) -> np.ndarray:
+    """``count`` concatenated :func:`split_key` digests as a ``uint64 [count, 4]`` array: each digest's big-endian
+    words, so that the rows compare as the digests' bytes do."""
+    words = np.frombuffer(digests, dtype=">u8", count=count * SPLIT_KEY_BYTES // 8)
+    return words.astype(np.uint64).reshape(count, 4)
+
+
+def split_groups(
+    group_of_row: np.ndarray, keys: np.ndarray, *, train_size: int, eval_size: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The train and eval rows of a split by whole prompt groups, vectorised (no Python object per row).
+
+    Groups are visited in ascending key order (ties, which only a SHA-256 collision makes, by group number). Eval takes
+    every group that fits in its remaining need; if it is still short, it takes the first rows of the smallest
+    remaining group (the first such in visiting order; the rest of that group is dropped; its rows come last in
+    eval). Train then takes groups in order, the last one possibly in part. A split that cannot be filled comes back
+    short.
+
+    Args:
+        group_of_row: ``int64 [rows]``: each row's group number, ``0 .. groups - 1``.
+        keys: ``uint64 [groups, 4]``: each group's :func:`split_key` as big-endian words (:func:`group_keys`).
+        train_size: Train rows wanted.
+        eval_size: Eval rows wanted.
+
+    Returns:
+        ``(train_rows, eval_rows)``: ``int64`` row numbers, each in group visiting order (a group's rows in input
+        order).
+    """
+    num_groups = len(keys)
+    sizes = np.bincount(group_of_row, minlength=num_groups).astype(np.int64)
+    order = _visiting_order(keys)
+    eval_take, rest, partial = _eval_groups(sizes[order], eval_size)
+    train_take = np.zeros(num_groups, np.int64)
+    rest_sizes = sizes[order[rest]]
+    train_take[order[rest]] = np.clip(train_size - (np.cumsum(rest_sizes) - rest_sizes), 0, rest_sizes)
+    eval_by_group = np.zeros(num_groups, np.int64)
+    eval_by_group[order] = eval_take
+    rank = np.empty(num_groups, np.int64)
+    rank[order] = np.arange(num_groups)
+    eval_rank = rank.copy()
+    if partial is not None:  # the partial group is taken last, after the whole ones
+        eval_rank[order[partial]] = num_groups
+    position = _position_in_group(group_of_row, sizes)
+    return (
+        _rows_in_visiting_order(position < train_take[group_of_row], group_of_row, rank),
+        _rows_in_visiting_order(position < eval_by_group[group_of_row], group_of_row, eval_rank),
+    )
+
+
+def _visiting_order(keys: np.ndarray) -> np.ndarray:
+    """Group numbers by ascending key (ties by number): a stable sort of the first word, all four where it ties."""
+    order = np.argsort(keys[:, 0], kind="stable")
+    first = keys[order, 0]
+    if len(first) > 1 and bool(np.any(first[1:] == first[:-1])):
+        order = np.lexsort((np.arange(len(keys)), keys[:, 3], keys[:, 2], keys[:, 1], keys[:, 0]))
+    return order
+
+
+def _eval_groups(sizes_in_order: np.ndarray, eval_size: int) -> tuple[np.ndarray, np.ndarray, int | None]:
+    """Eval's rows taken from each group (in visiting order), the positions of the groups left for train, and the
+    position of the group eval took in part (None if none)."""
+    take = np.zeros(len(sizes_in_order), np.int64)
+    need = eval_size
+    for position, size in enumerate(sizes_in_order.tolist()):  # greedy: stops once eval is full
+        if need == 0:
             break
-        train_items.extend(groups[group][: train_size - len(train_items)])
-    return train_items, eval_items
+        if size <= need:
+            take[position], need = size, need - size
+    rest = np.flatnonzero(take == 0)
+    if need == 0 or not len(rest):
+        return take, rest, None
+    smallest = int(rest[np.argmin(sizes_in_order[rest])])
+    take[smallest] = need
+    return take, rest[rest != smallest], smallest
+
+
+def _position_in_group(group_of_row: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each row's 0-based position among its group's rows, in input order."""
+    by_group = np.argsort(group_of_row, kind="stable")
+    position = np.empty(len(group_of_row), np.int64)
+    position[by_group] = np.arange(len(group_of_row)) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    return position
+
+
+def _rows_in_visiting_order(selected: np.ndarray, group_of_row: np.ndarray, rank: np.ndarray) -> np.ndarray:
+    rows = np.flatnonzero(selected)
+    return rows[np.argsort(rank[group_of_row[rows]], kind="stable")]
 
 
 def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Sequence[Any], Sequence[Any]]:
