@@ -59,7 +59,19 @@ def _environment() -> dict:
         "tokenizers": tokenizers.__version__,
         "datasets": datasets.__version__,
         "pyarrow": pyarrow.__version__,
+        "cpu": _lscpu(),
     }
+
+
+def _lscpu() -> dict[str, str]:
+    """The CPU's model and topology (threads per core: are the cores hyper-threads?) from ``lscpu``, if it runs."""
+    wanted = ("Model name", "Thread(s) per core", "Core(s) per socket", "Socket(s)", "CPU max MHz")
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    fields = (line.split(":", 1) for line in text.splitlines() if ":" in line)
+    return {name.strip(): value.strip() for name, value in fields if name.strip() in wanted}
 
 
 # ------------------------------------------------------------------------------------------------ inputs

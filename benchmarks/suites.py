@@ -519,31 +519,63 @@ def _objectives() -> Suite:
     )
 
 
-def _data_scale() -> Suite:
-    """Issue 20's prepare-data targets on the GPU machine's 16 cores (CPU work only: no GPU is touched)."""
+def _data_scale() -> tuple[Suite, Suite]:
+    """Issue 20's targets on the GPU machine's 16 cores (CPU work only: no GPU is touched): prepare-data's speed-up,
+    then the trainer's memory per rank with 1M raw pairs."""
 
     def step(tag: str, timeout_s: int, *args: str) -> Run:
         bench = ("benchmarks.bench_data_scale", "--results", "{out}/data_scale.jsonl")
         return Run(tag, "module", (*bench, *args), timeout_s=timeout_s, log="data_scale.log")
 
     prepare = ("prepare", "--repeats", "1", "--tmp", "{work}", "--num-proc")
-    return Suite(
+    speed = Suite(
         name="h200-data-scale",
-        summary="16 CPU cores of the 1x H200 machine: prepare-data with the bundled tokenizer, 1 vs 16 workers on the "
-        "same 50k rows (target >= 10x, same output hashes), then 16 workers on 1M rows (target < 120 s)",
+        summary="16 CPU cores of the 1x H200 machine: prepare-data with the bundled tokenizer, 1, 2, 4, 8 and 16 "
+        "workers on the same 200k rows (target 16 >= 10x 1, same output hashes), then 16 workers on 1M rows (target "
+        "< 120 s)",
         gpus=1,
-        deadline_s=235,
+        deadline_s=420,
         env=("OMP_NUM_THREADS=1",),
         runs=(
-            step("input_50k", 20, "make-input", "--rows", "50000", "--out", "{work}/rows_50k.jsonl"),
+            step("input_200k", 30, "make-input", "--rows", "200000", "--out", "{work}/rows_200k.jsonl"),
             step("input_1m", 40, "make-input", "--rows", "1000000", "--out", "{work}/rows_1m.jsonl"),
-            step("prepare_50k", 80, *prepare, "1", "16", "--input", "{work}/rows_50k.jsonl"),
+            step("prepare_200k", 240, *prepare, "1", "2", "4", "8", "16", "--input", "{work}/rows_200k.jsonl"),
             step("prepare_1m", 120, *prepare, "16", "--input", "{work}/rows_1m.jsonl"),
         ),
-        look_for="data_scale.log: `RATIO best-of-1: 16 workers = N x 1 worker(s) (50000 rows ...)` with N >= 10 and "
-        "`SAME_OUTPUTS True (2 runs)`; the 1M run's RATIO line gives its seconds (target < 120 s); details in "
-        "data_scale.jsonl",
+        look_for="data_scale.log: `RATIO best-of-1: 16 workers = N x 1 worker(s) (200000 rows ...)` with N >= 10 and "
+        "`SAME_OUTPUTS True (5 runs)`; the 1M run's RATIO line gives its seconds (target < 120 s); phases and CPU "
+        "per process in data_scale.jsonl",
     )
+    trainer = Suite(
+        name="h200-data-trainer",
+        summary="16 CPU cores of the 1x H200 machine: 2 CPU ranks (torchrun, gloo) build PairDPOTrainer on 1k and "
+        "on 1M raw pairs of ~800 tokens (16 tokenising workers on the local main) and train 3 steps; peak RSS per "
+        "rank (target: 1M <= 1k + 1.5 GB), tokenising CPU per rank (once per node)",
+        gpus=1,
+        deadline_s=560,
+        env=("OMP_NUM_THREADS=1",),
+        runs=(
+            step(
+                "trainer_1k_1m",
+                540,
+                "trainer",
+                "--pairs",
+                "1000",
+                "1000000",
+                "--tokens",
+                "800",
+                "--num-proc",
+                "16",
+                "--steps",
+                "3",
+                "--tmp",
+                "{work}",
+            ),
+        ),  # fmt: skip
+        look_for="data_scale.jsonl: `bench: trainer` records, one per rank and pair count: run_peak_mib of 1M vs 1k "
+        "on each rank, build_cpu_workers_s on rank 0 only, cache_created_by_pid equal on both ranks",
+    )
+    return speed, trainer
 
 
 SUITES: dict[str, Suite] = {
@@ -558,7 +590,7 @@ SUITES: dict[str, Suite] = {
         *_zero3_train(),
         *launch_and_fault_suites(),
         _objectives(),
-        _data_scale(),
+        *_data_scale(),
         *SCALING_SUITES,
     )
 }

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         loaded = _load_tokenizer(args.tokenizer)
         with _staged(output) as tmp:
             read = _read_all(args, loaded.tokenizer, tmp / CANDIDATES)
-            started = time.perf_counter()
+            rate, started = read.tally.rate(), time.perf_counter()
             groups = read.groups()
             split = _select(groups, read, args)
             split_seconds, started = time.perf_counter() - started, time.perf_counter()
@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
     if not args.disable_tqdm:
         print(
-            f"tokenised {tally.rate()} on {read.workers} worker(s); split in {split_seconds:.2f} s; "
+            f"tokenised {rate} on {read.workers} worker(s); split in {split_seconds:.2f} s; "
             f"wrote the splits in {write_seconds:.2f} s",
             file=sys.stderr,
         )
