@@ -328,7 +328,7 @@ def trainer(args: argparse.Namespace) -> None:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port"]
             cmd += [str(args.port), __file__, "trainer-worker", "--raw", str(raw), "--out", tmp, "--cache"]
             cmd += [str(Path(tmp) / "cache"), "--num-proc", str(args.num_proc), "--steps", str(args.steps)]
-            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # keeps carried wheels
+            path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)  # carried wheels
             worker_env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
             start, load = time.perf_counter(), os.getloadavg()[0]
             proc = subprocess.run(cmd, capture_output=True, text=True, env=worker_env)
