@@ -17,7 +17,6 @@ import multiprocessing
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,11 +48,16 @@ class StreamFile:
     sha256: str
 
 
-class _HashingSink:
-    """A binary file that hashes what is written to it (pyarrow writes through ``write``); ``durable=False``: neither
-    hashed nor fsynced (a scratch file)."""
+class HashingFile:
+    """A binary file that hashes what is written to it and is fsynced on close (pyarrow writes through ``write``);
+    ``durable=False``: neither hashed nor fsynced (a scratch file).
 
-    def __init__(self, path: Path, durable: bool = True) -> None:
+    Args:
+        path: The file (created or replaced).
+        durable: Hash and fsync.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], durable: bool = True) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
         self._digest = hashlib.sha256() if durable else None
         self.size = 0
@@ -97,7 +101,7 @@ class StreamWriter:
     """
 
     def __init__(self, path: str | os.PathLike[str], schema: pa.Schema, *, durable: bool = True) -> None:
-        self._sink = _HashingSink(Path(path), durable)
+        self._sink = HashingFile(path, durable)
         self._writer = pa.ipc.new_stream(self._sink, schema)
         self._rows = 0
         self.result: StreamFile | None = None

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pair_dpo_trainer.data.arrow import StreamWriter, binary_values, ids_array
+from pair_dpo_trainer.data.arrow import HashingFile, StreamWriter, binary_values, ids_array
 from pair_dpo_trainer.data.chunks import PairConverter, Tally, convert_chunks
 from pair_dpo_trainer.data.normalize import PreferencePair, prompt_hash
 from pair_dpo_trainer.data.prepared import PREPARED_SCHEMA
@@ -241,29 +240,22 @@ class _SplitWriter:
     """The ``.jsonl`` and ``.arrow`` file of one split, written together."""
 
     def __init__(self, directory: Path, name: str) -> None:
-        import hashlib
-
         self.name = name
         self.rows = 0
-        self._jsonl = open(directory / f"{name}.jsonl", "wb")  # noqa: SIM115 - closed by close()
-        self._digest = hashlib.sha256()
+        self._jsonl = HashingFile(directory / f"{name}.jsonl")
         self._arrow = StreamWriter(directory / f"{name}.arrow", PREPARED_SCHEMA)
 
     def write(self, batch: pa.RecordBatch) -> None:
         if not batch.num_rows:
             return
-        data = binary_values(batch.column("json_line"))
-        self._jsonl.write(data)
-        self._digest.update(data)
+        self._jsonl.write(binary_values(batch.column("json_line")))
         self._arrow.write(batch.select(PREPARED_SCHEMA.names))
         self.rows += batch.num_rows
 
     def close(self) -> dict[str, dict[str, Any]]:
-        self._jsonl.flush()
-        os.fsync(self._jsonl.fileno())
         self._jsonl.close()
         arrow = self._arrow.close()
         return {
-            f"{self.name}.jsonl": {"rows": self.rows, "sha256": self._digest.hexdigest()},
+            f"{self.name}.jsonl": {"rows": self.rows, "sha256": self._jsonl.hexdigest()},
             f"{self.name}.arrow": {"rows": arrow.rows, "sha256": arrow.sha256},
         }
