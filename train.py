@@ -18,13 +18,15 @@ import yaml
 from transformers import AutoTokenizer, HfArgumentParser
 
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
-from pair_dpo_trainer.allocator import default_cuda_allocator
+from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
+from pair_dpo_trainer.config.allocator import default_cuda_allocator
+from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.paths import require_model_directory
-from pair_dpo_trainer.options import config_field_names, reject_unsupported_options
-from pair_dpo_trainer.plotting import CURVES_FILENAME, plot_training_curves
-from pair_dpo_trainer.runtime.collectives import end_process_group
+from pair_dpo_trainer.parallel.collectives import end_process_group
+from pair_dpo_trainer.training.checks import check_config
 
 # The bundled demo run: these apply only when neither --model_name_or_path nor --dataset is given (any option given
 # overrides them). A real run gets PairDPOConfig's own defaults (docs/guide.md, "Defaults that differ from
@@ -153,7 +155,8 @@ def _is_bundled(path: str) -> bool:
 def main(argv: list[str] | None = None) -> dict[str, float]:
     default_cuda_allocator()  # expandable_segments:True unless PYTORCH_CUDA_ALLOC_CONF is set (before CUDA starts)
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
-    if _is_bundled(model_args.model_name_or_path) and config.uses_reference and config.ref_model_revision is None:
+    check_config(config)  # every option problem now, before the model, tokenizer or data load
+    if _is_bundled(model_args.model_name_or_path) and uses_reference(config.loss_type, reference_free=config.reference_free) and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     require_model_directory(
         model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"

@@ -90,7 +90,7 @@ def iter_rows(rows: int, tokens: int | None, seed: int = 0, label=str):
     """Rows of the demo's shape (``tokens=None``) or three plain strings of ``tokens / 3`` tokens each; every prompt is
     unique (``label(row number)`` leads it); the texts come from a pool of 4096 (generation would otherwise
     dominate)."""
-    from benchmarks.tools.demo_pairs import generate_demo_pairs
+    from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 
     if tokens is None:
         pool = generate_demo_pairs(seed=seed, n=4096)

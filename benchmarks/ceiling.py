@@ -13,8 +13,8 @@ import torch
 
 from benchmarks.rows import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
 from pair_dpo_trainer.data.tokenize import pair_costs
-from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.samplers import PairStepSampler
 
 BenchTrainer = Any  # dpo.BenchTrainer (a PairDPOTrainer); not imported: dpo imports this module

@@ -32,9 +32,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from pair_dpo_trainer.collators.packed import PackedPairCollator
-from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import decoder_layers
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

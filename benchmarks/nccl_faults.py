@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pair_dpo_trainer.runtime.checkpoint import checkpoint_problem, list_checkpoints
+from pair_dpo_trainer.fault_tolerance.checkpoint import checkpoint_problem, list_checkpoints
 from tests.faults import (
     kill_all,
     launch,

@@ -11,12 +11,11 @@ from pair_dpo_trainer.errors import (
     ScheduleError,
     SnapshotIntegrityError,
 )
-
-__version__ = "0.1.0"
+from pair_dpo_trainer.version import __version__
 
 # Heavy entry points are imported on first use, so `pair-dpo verify-snapshot` does not import transformers' Trainer.
 _LAZY = {
-    "PairDPOConfig": "pair_dpo_trainer.config",
+    "PairDPOConfig": "pair_dpo_trainer.config.arguments",
     "PairDPOTrainer": "pair_dpo_trainer.trainer",
 }
 

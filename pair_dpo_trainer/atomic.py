@@ -2,7 +2,7 @@
 
 A reader sees the old file or the complete new one, never a partial write, and a crash leaves no half-written target.
 ``fsync_dir`` / ``fsync_tree`` make renames and whole directory trees durable (atomic checkpoints,
-``runtime/checkpoint.py``).
+``fault_tolerance/checkpoint.py``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ documented in ``docs/reason_codes.md``; tests assert them.
 
 from __future__ import annotations
 
+import pickle
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
 
 class PairDPOError(Exception):
     """Base class: an error with a stable machine-readable ``reason_code``.
@@ -27,7 +33,7 @@ class PreferenceRowError(PairDPOError, ValueError):
 
 
 Problem = tuple[str, str]
-"""One ``(reason_code, message)`` of a collect-all check (``PairDPOConfig`` and ``run_checks.run_problems``)."""
+"""One ``(reason_code, message)`` of a collect-all check (``PairDPOConfig`` and ``training.checks.run_problems``)."""
 
 
 class ConfigError(PairDPOError, ValueError):
@@ -114,3 +120,80 @@ class SnapshotIntegrityError(PairDPOError):
         fix = SNAPSHOT_FIXES.get(reason_code)
         super().__init__(reason_code, text if fix is None or fix in text else f"{text}; fix: {fix}")
         self.path = path
+
+
+def raise_problems(problems: Sequence[Problem], *, what: str | None = None) -> None:
+    """Raises one ``ConfigError`` listing every problem (nothing when there is none).
+
+    Args:
+        problems: ``(reason_code, message)`` pairs.
+        what: Names the object in a summary line (``"PairDPOConfig"``: ``"PairDPOConfig has 2 invalid
+            option(s): ..."``); None raises a single problem with its own message.
+
+    Raises:
+        ConfigError: the problem's own code when there is one, ``invalid_config`` for several; ``.problems`` lists
+            them all.
+
+    Example:
+        >>> raise_problems([])
+        >>> try:
+        ...     raise_problems([("bad_beta", "beta=0: set beta > 0."), ("bad_length", "max_length=1: set > 1.")])
+        ... except ConfigError as error:
+        ...     print(error.reason_code, [code for code, _ in error.problems])
+        invalid_config ['bad_beta', 'bad_length']
+    """
+    if not problems:
+        return
+    code = problems[0][0] if len(problems) == 1 else "invalid_config"
+    if what is None and len(problems) == 1:
+        message = problems[0][1]
+    else:
+        lines = "\n".join(f"  - [{c}] {text}" for c, text in problems)
+        message = f"{what or 'this run'} has {len(problems)} invalid option(s):\n{lines}"
+    raise ConfigError(code, message, problems=list(problems))
+
+
+# Exceptions that cross a process boundary (a tokenising worker, another rank) keep their type, code and message.
+# ``pickle`` rebuilds an exception by calling its class with ``exc.args``; a PairDPOError takes (reason_code, message)
+# but stores its formatted text as its only arg, so it cannot make the round trip by itself.
+
+
+@dataclass(frozen=True)
+class FrozenException:
+    """A picklable record of one exception.
+
+    Attributes:
+        cls: The exception class (pickled by reference), or None when it cannot be pickled.
+        args: ``exc.args``.
+        attributes: ``exc.__dict__`` (only when every value pickles).
+        text: ``"<type>: <message>"`` and the traceback, for a class that cannot be rebuilt.
+    """
+
+    cls: type[BaseException] | None
+    args: tuple[Any, ...]
+    attributes: dict[str, Any]
+    text: str
+
+
+def freeze_exception(exc: BaseException) -> FrozenException:
+    """Returns a picklable record of ``exc`` (see the module docstring)."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        state = (type(exc), tuple(exc.args), dict(vars(exc)))
+        pickle.loads(pickle.dumps(state))
+    except Exception:  # an exception carrying something unpicklable: keep its text only
+        return FrozenException(None, (), {}, text)
+    return FrozenException(state[0], state[1], state[2], text)
+
+
+def thaw_exception(frozen: FrozenException) -> BaseException:
+    """Rebuilds the exception of :func:`freeze_exception` (a ``RuntimeError`` with its text when it cannot be)."""
+    if frozen.cls is None:
+        return RuntimeError(f"in another process:\n{frozen.text}")
+    try:
+        exc = frozen.cls(*frozen.args)
+    except Exception:  # e.g. a PairDPOError: (reason_code, message) in, one formatted text in args
+        exc = frozen.cls.__new__(frozen.cls)
+        exc.args = frozen.args
+    vars(exc).update(frozen.attributes)
+    return exc

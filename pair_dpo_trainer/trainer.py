@@ -1,7 +1,7 @@
 """``PairDPOTrainer``: a ``transformers.Trainer`` that orchestrates pair DPO and holds no maths.
 
 One optimizer step on every rank: ``gradient_accumulation_steps`` packed micro-batches from the pair-atomic sampler,
-each through the policy and the frozen reference, per-pair losses from :mod:`pair_dpo_trainer.loss`, summed and
+each through the policy and the frozen reference, per-pair losses from :mod:`pair_dpo_trainer.losses`, summed and
 normalised by the GLOBAL pair count ``N`` of the step.
 
 Loss scale: the Trainer does not divide by GA (``loss_is_scaled_for_ga = True``) and DDP / DeepSpeed average
@@ -27,39 +27,43 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
-from pair_dpo_trainer.accumulation import run_step
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator, split_pairs
+from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
-from pair_dpo_trainer.data.dataset import as_pair_dataset, data_scale_options
-from pair_dpo_trainer.distributed import assert_ranks_agree
-from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import SequenceLogps, packed_policy_logps, with_length_desensitization
+from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
+from pair_dpo_trainer.data.dataset import as_pair_dataset
+from pair_dpo_trainer.data.workers import resolve_num_proc
+from pair_dpo_trainer.errors import ConfigError, raise_problems
+from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
 from pair_dpo_trainer.losses import PairLogps
-from pair_dpo_trainer.losses.runtime import ObjectiveRuntime, StepBoundaryCallback
-from pair_dpo_trainer.metrics import PairMetrics
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.modeling.fsdp2 import (
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
+from pair_dpo_trainer.modeling.paths import require_model_directory
+from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
+from pair_dpo_trainer.parallel.fsdp2 import (
     check_evaluable,
     check_fsdp_version,
     find_fsdp2_plugin,
     full_state_dict,
     setup_fsdp2,
 )
-from pair_dpo_trainer.modeling.paths import require_model_directory
-from pair_dpo_trainer.modeling.zero3 import zero3_leaf_setup
-from pair_dpo_trainer.modeling.zero3_init import ensure_deepspeed_comm
-from pair_dpo_trainer.options import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
+from pair_dpo_trainer.parallel.node import Node
+from pair_dpo_trainer.parallel.zero3 import ensure_deepspeed_comm, zero3_leaf_setup
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
-from pair_dpo_trainer.run_checks import RunSetup, raise_problems, run_problems
-from pair_dpo_trainer.runtime import RunGuard
-from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler, train_sampler
+from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
-from pair_dpo_trainer.summary import run_summary
+from pair_dpo_trainer.training.accumulation import run_step
+from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
+from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
+from pair_dpo_trainer.training.metrics import PairMetrics
+from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
+from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
+from pair_dpo_trainer.training.schedule import train_sampler
+from pair_dpo_trainer.training.summary import announce_run
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +112,7 @@ class PairDPOTrainer(Trainer):
                 f"PairDPOTrainer needs a PairDPOConfig as args (a TrainingArguments subclass), got "
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
+        check_config(args)  # every feature's option checks, before anything is loaded
         model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
@@ -139,7 +144,7 @@ class PairDPOTrainer(Trainer):
             mixed_precision=str(self.accelerator.mixed_precision),
             fsdp_plugin=self.fsdp_plugin,
         )
-        self.run_guard = RunGuard(args)  # output-dir lock, collective timeouts, preemption, atomic checkpoints
+        self.run_guard = RunGuard()  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
@@ -150,7 +155,7 @@ class PairDPOTrainer(Trainer):
             self._take_over_compile()
 
     def create_accelerator_and_postprocess(self) -> None:
-        """The Trainer's Accelerator, then FSDP2 as asked (``modeling.fsdp2.setup_fsdp2``): installed where Accelerate
+        """The Trainer's Accelerator, then FSDP2 as asked (``parallel.fsdp2.setup_fsdp2``): installed where Accelerate
         drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
         check_fsdp_version(self.args)
         super().create_accelerator_and_postprocess()
@@ -159,7 +164,7 @@ class PairDPOTrainer(Trainer):
         self.is_fsdp_enabled = self.fsdp_plugin is not None
 
     def _run_setup(self) -> RunSetup:
-        """What the runtime checks read besides the config (``run_checks``), right after the Accelerator exists."""
+        """What the runtime checks read besides the config (``training.checks``), right after the Accelerator exists."""
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         return RunSetup(
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
@@ -182,7 +187,9 @@ class PairDPOTrainer(Trainer):
             max_tokens_per_microbatch=args.max_tokens_per_microbatch,
             progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
             desc=desc,
-            **data_scale_options(args),
+            num_proc=resolve_num_proc(args.dataset_num_proc),
+            cache_dir=args.dataset_cache_dir,
+            once=Node.from_args(args).once,  # tokenised by each node's local main, memory-mapped by the others
         )
 
     # ------------------------------------------------------------------ reference
@@ -205,22 +212,22 @@ class PairDPOTrainer(Trainer):
         ``resume_from_checkpoint``: a checkpoint directory, or ``True`` / ``"latest"`` (the newest complete checkpoint
         of ``output_dir``) or ``"auto"`` (the same, or a fresh start when there is none). The run holds the lock of
         ``output_dir``, and a SIGTERM saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
-        :mod:`pair_dpo_trainer.runtime`.
+        :mod:`pair_dpo_trainer.fault_tolerance`.
         """
-        with self.run_guard.session(self, resume_from_checkpoint) as resume_from_checkpoint:
+        options = GuardOptions.from_args(self.args)
+        with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
             if resume_from_checkpoint:
                 self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
             self._compile_layers()
             if self.is_world_process_zero():
-                summary = run_summary(
+                announce_run(
                     self.args,
                     attn_backend=self.attn_backend,
                     source=self.reference_source,
                     zero3_leaf_classes=self.zero3_leaf_classes,
                     fsdp2=self.fsdp_plugin is not None,
                 )
-                print(summary, flush=True)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -236,7 +243,7 @@ class PairDPOTrainer(Trainer):
     def _take_over_compile(self) -> None:
         """``torch_compile=True`` compiles the decoder layers in place (see ``modeling.compile``), not the whole
         model: accelerate's whole-model compile is switched off here, so it is never applied as well (ZeRO-3 and the
-        SDPA kernel are refused by ``run_checks.compile_problems``)."""
+        SDPA kernel are refused by ``training.checks.compile_problems``)."""
         from accelerate.utils import DynamoBackend
 
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
@@ -270,7 +277,7 @@ class PairDPOTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's save, made atomic with the reference identity inside (``runtime/checkpoint.py``); the TR-DPO
+        """The Trainer's save, made atomic with the reference identity inside (``fault_tolerance/checkpoint.py``); the TR-DPO
         synced reference and the objective's state are written into the staged directory with the Trainer's files.
         ``num_tokens`` is folded into the state first (it is in ``trainer_state.json``)."""
         self._metrics["train"].fold_tokens(self.args.device, self.state)
@@ -291,7 +298,7 @@ class PairDPOTrainer(Trainer):
         """One rank's pair-atomic schedule; deliberately not passed through ``accelerator.prepare`` (no re-sharding).
 
         With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
-        step, see ``accumulation``)."""
+        step, see ``training.accumulation``)."""
         sampler = train_sampler(self._costs(self.train_dataset), self.args)
         fingerprint = sampler.schedule_fingerprint(0)
         assert_ranks_agree("train schedule", fingerprint)
@@ -384,9 +391,11 @@ class PairDPOTrainer(Trainer):
         """
         if self._flop_params is None:
             self._flop_params = non_embedding_parameters(self.model)
-        ref_flops = 0 if not self.args.uses_reference or self.args.precompute_ref_log_probs else 2
-        prepass_flops = 2 + ref_flops if self.objective_runtime.sorts_step else 0  # AOT's gradient-free pre-pass
-        return (6 + ref_flops + prepass_flops) * self._flop_params * inputs.num_tokens
+        online_reference = self.reference_manager.runs_reference_forward
+        factor = flops_per_token_per_parameter(
+            reference_forward=online_reference, prepass=self.objective_runtime.sorts_step
+        )
+        return factor * self._flop_params * inputs.num_tokens
 
     # ------------------------------------------------------------------ loss
     def compute_loss(  # type: ignore[override]  # a PackedPairBatch, not HF's dict of tensors
@@ -475,46 +484,3 @@ def _load_policy(
         return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
     ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
     return AutoModelForCausalLM.from_pretrained(policy_dir), policy_dir, reference_source
-
-
-def pair_logps_from_sequences(
-    policy: SequenceLogps | torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
-) -> PairLogps:
-    """Splits per-sequence ``[2n]`` log-probs into :class:`PairLogps` (the collators' layout:
-    :func:`~pair_dpo_trainer.collators.packed.split_pairs`).
-
-    ``policy`` is the policy pass (:class:`~pair_dpo_trainer.logprobs.SequenceLogps`: LD-weighted and plain sums,
-    per-token statistics) or a plain ``[2n]`` tensor.
-    """
-    if isinstance(policy, torch.Tensor):
-        policy = SequenceLogps(logps=policy, nll_logps=policy)
-    counts = completion_token_counts(batch)
-    logps, stats = policy.logps, policy.token_stats
-    chosen_wpo, rejected_wpo = split_pairs(stats[:, 3]) if stats is not None else (None, None)
-    (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = split_pairs(logps), split_pairs(ref_logps)
-    chosen_counts, rejected_counts = split_pairs(counts)
-    return PairLogps(
-        policy_chosen_logps=policy_chosen,
-        policy_rejected_logps=policy_rejected,
-        ref_chosen_logps=ref_chosen,
-        ref_rejected_logps=ref_rejected,
-        chosen_token_counts=chosen_counts,
-        rejected_token_counts=rejected_counts,
-        policy_chosen_nll_logps=None if policy.nll_logps is logps else split_pairs(policy.nll_logps)[0],
-        chosen_wpo_logps=chosen_wpo,
-        rejected_wpo_logps=rejected_wpo,
-    )
-
-
-def non_embedding_parameters(model: torch.nn.Module) -> int:
-    """Parameters outside ``nn.Embedding`` modules, counting a ZeRO-3 partitioned parameter at its full size."""
-    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
-    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embedding)
-
-
-def completion_token_counts(batch: PackedPairBatch) -> torch.Tensor:
-    """Completion tokens per sequence ``[2n]`` float32, computed on the device (no host sync)."""
-    n = batch.num_sequences
-    index = batch.sequence_index.reshape(-1).clamp(max=n)
-    mask = batch.completion_mask.reshape(-1).to(torch.float32)
-    return torch.zeros(n + 1, device=mask.device).index_add_(0, index, mask)[:n]

@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs  # noqa: E402
 from pair_dpo_trainer import PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.data import tokenize  # noqa: E402
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir  # noqa: E402
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs  # noqa: E402
 from pair_dpo_trainer.errors import PreferenceRowError  # noqa: E402
 from tests.dpo_fixtures import cpu_config  # noqa: E402
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from pair_dpo_trainer import PairDPOTrainer, ScheduleError
-from pair_dpo_trainer.runtime.collectives import end_process_group
+from pair_dpo_trainer.parallel.collectives import end_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402

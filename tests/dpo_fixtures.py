@@ -83,8 +83,8 @@ def cpu_config(tmp_path, **overrides):
 
 
 def run_setup(**overrides):
-    """A ``run_checks.RunSetup`` of a single-process CPU run (no DeepSpeed, no FSDP, no PEFT, no ``ref_model``)."""
-    from pair_dpo_trainer.run_checks import RunSetup
+    """A ``training.checks.RunSetup`` of a single-process CPU run (no DeepSpeed, no FSDP, no PEFT, no ``ref_model``)."""
+    from pair_dpo_trainer.training.checks import RunSetup
 
     fields = {
         "deepspeed_config": None,
@@ -100,8 +100,8 @@ def run_setup(**overrides):
 
 def runtime_error(args, **overrides):
     """The ``ConfigError`` the trainer's one runtime check raises for ``args`` in that setup (None: none)."""
-    from pair_dpo_trainer.errors import ConfigError
-    from pair_dpo_trainer.run_checks import raise_problems, run_problems
+    from pair_dpo_trainer.errors import ConfigError, raise_problems
+    from pair_dpo_trainer.training.checks import run_problems
 
     try:
         raise_problems(run_problems(args, run_setup(**overrides)))

@@ -44,8 +44,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer import PairDPOError, PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
-from pair_dpo_trainer.reference.engine import gathered_named_parameters  # noqa: E402
-from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
+from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
+from pair_dpo_trainer.parallel.gather import gathered_named_parameters  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer import PairDPOTrainer  # noqa: E402
-from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
+from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
 
 GLOBAL_PAIRS = 8

@@ -39,8 +39,8 @@ from transformers import LlamaForCausalLM, TrainerCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
-from pair_dpo_trainer.reference.engine import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
-from pair_dpo_trainer.runtime.collectives import end_process_group  # noqa: E402
+from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
+from pair_dpo_trainer.parallel.gather import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
 from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_lora_llama  # noqa: E402
 from tests.ds_worker import (  # noqa: E402
     LOGPS_CHUNK,
@@ -150,7 +150,7 @@ def run_args_fsdp(out_dir: Path) -> dict[str, Any]:
 def run_bf16(out_dir: Path) -> dict[str, Any]:
     """bf16 mixed precision (fp32 master weights, bf16 compute and reduce-scatter; bf16 runs on the CPU and gloo)."""
     from pair_dpo_trainer.collators.packed import PackedPairCollator
-    from pair_dpo_trainer.logprobs import packed_sequence_logps
+    from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 
     trainer, _ = trained(out_dir / "bf16", max_steps=2, bf16=True)
     batch = PackedPairCollator()([trainer.train_dataset[i] for i in range(4)]).to(trainer.args.device)

@@ -15,9 +15,9 @@ def main(out_dir: str) -> None:
     sys.stderr = open(Path(out_dir) / f"stderr.{rank}", "w", buffering=1)  # noqa: SIM115 (lives as long as the run)
     from transformers import AutoTokenizer
 
-    from benchmarks.tools.demo_pairs import generate_demo_pairs
     from pair_dpo_trainer import PairDPOTrainer
     from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.demo.pairs import generate_demo_pairs
     from tests.dpo_fixtures import cpu_config
 
     model_dir = str(bundled_model_dir())

@@ -13,7 +13,6 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
 
 from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import padded_sequence_logps
 from pair_dpo_trainer.modeling import (
     PAIR_VARLEN,
     enable_pair_varlen,
@@ -22,6 +21,7 @@ from pair_dpo_trainer.modeling import (
     select_attn_backend,
     varlen_attention,
 )
+from pair_dpo_trainer.modeling.logprobs import padded_sequence_logps
 from tests.dpo_fixtures import random_features
 
 VOCAB = 101

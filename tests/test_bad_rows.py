@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.data.normalize import MAX_ROW_DEPTH, ROLES, normalize_row
@@ -30,6 +29,7 @@ from pair_dpo_trainer.data.readers import _load_json_values, _load_with_datasets
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.data.tokenize import tokenize_dataset, tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import PreferenceRowError
 from tests.dpo_fixtures import cpu_config, tiny_llama
 

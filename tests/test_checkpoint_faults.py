@@ -15,7 +15,12 @@ from pathlib import Path
 import pytest
 
 from pair_dpo_trainer.errors import CheckpointError
-from pair_dpo_trainer.runtime.checkpoint import STAGING_DIRNAME, checkpoint_problem, list_checkpoints, read_manifest
+from pair_dpo_trainer.fault_tolerance.checkpoint import (
+    STAGING_DIRNAME,
+    checkpoint_problem,
+    list_checkpoints,
+    read_manifest,
+)
 from tests.ds_worker import full_parameters
 from tests.fault_worker import build
 from tests.faults import assert_same_parameters, final_state, logs, outcome, run_spec, run_to_end

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from pair_dpo_trainer.runtime.collectives import collective_failure, nccl_timeout_problem
+from pair_dpo_trainer.parallel.collectives import collective_failure, nccl_timeout_problem
 
 
 def _raise_through(frames: list[tuple[str, str]], message: str) -> RuntimeError:

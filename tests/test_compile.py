@@ -14,9 +14,10 @@ from torch._dynamo.utils import counters
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers, decoder_layers, is_compiled
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
+from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import (
     cpu_config,
     install_traceable_varlen,
@@ -111,7 +112,7 @@ def test_compile_keeps_parameter_names_and_is_idempotent() -> None:
 @pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
 def test_cuda_graph_modes_are_refused(tmp_path, mode: str) -> None:
     with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), torch_compile_mode=mode, use_cpu=True, report_to="none")
+        check_config(PairDPOConfig(output_dir=str(tmp_path), torch_compile_mode=mode, use_cpu=True, report_to="none"))
     assert info.value.reason_code == "unsupported_combination" and "torch_compile_mode" in str(info.value)
     with pytest.raises(ConfigError):
         compile_decoder_layers(tiny_llama(), backend="eager", mode=mode)

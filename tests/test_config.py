@@ -1,4 +1,8 @@
-"""PairDPOConfig validation: every problem collected, one error, stable reason codes."""
+"""Option validation: every problem collected, one error, stable reason codes.
+
+``PairDPOConfig`` refuses an option out of its own range when it is built; the checks that need a feature's
+knowledge (objective names, attention kernels, compile modes, reference modes) are collected by
+``training.checks.check_config``, which the trainer and ``train.py`` run before anything is loaded."""
 
 from __future__ import annotations
 
@@ -11,13 +15,22 @@ from pathlib import Path
 import pytest
 from transformers import TrainingArguments
 
-from pair_dpo_trainer import launch
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer import PairDPOTrainer
+from pair_dpo_trainer.config import PairDPOConfig, launch
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.losses.registry import uses_reference
+from pair_dpo_trainer.training.checks import check_config
 
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:
     return PairDPOConfig(output_dir=str(tmp_path), report_to="none", **kwargs)
+
+
+def _checked(tmp_path, **kwargs) -> PairDPOConfig:
+    """A config that passed both its own checks and every feature's (what a trainer starts with)."""
+    config = _config(tmp_path, **kwargs)
+    check_config(config)
+    return config
 
 
 def test_defaults_are_valid_and_pair_friendly(tmp_path):
@@ -50,7 +63,6 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"zero3_leaf_modules": "Llama Decoder"}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": ""}, "bad_zero3_leaf_modules"),
         ({"zero3_leaf_modules": "LlamaDecoderLayer,"}, "bad_zero3_leaf_modules"),
-        # issue 16: objectives
         ({"loss_type": ["sigmoid", "sigmoid"]}, "duplicate_loss_type"),
         ({"loss_type": []}, "unknown_loss_type"),
         ({"loss_weights": [1.0, 2.0]}, "bad_loss_weights"),
@@ -79,7 +91,7 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
     with pytest.raises(ConfigError) as info:
-        _config(tmp_path, **kwargs)
+        _checked(tmp_path, **kwargs)
     assert info.value.reason_code == code
     field_name = next(iter(kwargs))
     assert field_name in str(info.value)
@@ -97,24 +109,32 @@ def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):
     ],
 )
 def test_bad_config_value_names_the_field(tmp_path, field, value, code):
-    """The message names the option as ``field=value`` (merged here from tests/test_user_errors.py)."""
+    """The message names the option as ``field=value``."""
     with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), report_to="none", **{field: value})
+        _checked(tmp_path, **{field: value})
     assert info.value.reason_code == code
     assert f"{field}=" in str(info.value)
 
 
 def test_all_problems_are_reported_at_once(tmp_path):
-    with pytest.raises(ConfigError) as info:
-        _config(tmp_path, beta=-1.0, label_smoothing=0.7, attn_backend="nope", loss_type="kto")
+    with pytest.raises(ConfigError) as info:  # the options' own ranges: when the config is built
+        _config(tmp_path, beta=-1.0, label_smoothing=0.7, max_length=1)
     assert info.value.reason_code == "invalid_config"
-    codes = [code for code, _ in info.value.problems]
-    assert codes == ["bad_beta", "unknown_loss_type", "bad_label_smoothing", "bad_attn_backend"]
-    for name in ("beta", "label_smoothing", "attn_backend", "loss_type"):
+    assert [code for code, _ in info.value.problems] == ["bad_beta", "bad_label_smoothing", "bad_length", "bad_length"]
+    for name in ("beta", "label_smoothing", "max_length"):
         assert f"{name}=" in str(info.value)
-    with pytest.raises(ConfigError) as info:  # the same through PairDPOConfig itself (was tests/test_user_errors.py)
-        PairDPOConfig(output_dir=str(tmp_path), report_to="none", beta=-1.0, loss_type="kto")
-    assert [code for code, _ in info.value.problems] == ["bad_beta", "unknown_loss_type"]
+    with pytest.raises(ConfigError) as info:  # the features' checks: all of them, at once
+        _checked(tmp_path, attn_backend="nope", loss_type="kto", zero3_leaf_modules="", ref_model_revision="main")
+    codes = [code for code, _ in info.value.problems]
+    assert codes == ["unknown_loss_type", "revision_not_pinned", "bad_attn_backend", "bad_zero3_leaf_modules"]
+
+
+def test_a_trainer_checks_every_feature_option_before_it_loads_anything(tmp_path):
+    """An unknown loss name is named before the policy path is even looked at (it does not exist here)."""
+    config = _config(tmp_path, loss_type="kto", use_cpu=True)
+    with pytest.raises(ConfigError) as info:
+        PairDPOTrainer(model=str(tmp_path / "no-such-model"), args=config, train_dataset=[])
+    assert info.value.reason_code == "unknown_loss_type"
 
 
 def test_config_is_a_value_error_for_argument_parsers(tmp_path):
@@ -153,14 +173,14 @@ def test_loss_type_lists_parse_as_trl_does_from_flags_yaml_and_strings(tmp_path)
     assert _config(tmp_path, loss_type="ipo").loss_type == ["ipo"]
 
 
-def test_reference_free_objectives_use_no_reference(tmp_path):
-    assert not _config(tmp_path, loss_type=["simpo"]).uses_reference
-    assert not _config(tmp_path, loss_type=["orpo", "sft"]).uses_reference
-    assert _config(tmp_path, loss_type=["sigmoid", "sft"]).uses_reference
-    assert not _config(tmp_path, reference_free=True).uses_reference
+def test_reference_free_objectives_use_no_reference():
+    assert not uses_reference(["simpo"])
+    assert not uses_reference(["orpo", "sft"])
+    assert uses_reference(["sigmoid", "sft"])
+    assert not uses_reference(["sigmoid"], reference_free=True)
 
 
-# ------------------------------------------------------------------ DPO defaults (issue 13 item 3)
+# ------------------------------------------------------------------ DPO defaults
 
 
 def _documented_defaults(doc: str) -> dict[str, tuple[object, object]]:
@@ -206,7 +226,7 @@ def test_every_default_that_differs_from_training_arguments_is_in_the_one_table(
 def test_dpo_defaults(tmp_path):
     config = PairDPOConfig(output_dir=str(tmp_path))
     assert config.learning_rate == 1e-6 and config.logging_steps == 10
-    assert config.max_prompt_length == 512  # as before, and prepare-data's default
+    assert config.max_prompt_length == 512  # prepare-data's default
     assert PairDPOConfig(output_dir=str(tmp_path), max_length=4096).max_prompt_length == 512
     assert PairDPOConfig(output_dir=str(tmp_path), max_length=128).max_prompt_length == 64  # TRL users set max_length
 

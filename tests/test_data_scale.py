@@ -26,20 +26,19 @@ import pytest
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import build_pairs
-from pair_dpo_trainer.data.parallel import CHUNK_ROWS
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.streams import FileStream
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, pair_costs, tokenize_dataset
+from pair_dpo_trainer.data.workers import CHUNK_ROWS
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, SnapshotIntegrityError
 from pair_dpo_trainer.integrity import proof as proof_module
 from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
-from pair_dpo_trainer.node import Node
 from pair_dpo_trainer.reference.precompute import dataset_fingerprint
 from tests.dpo_fixtures import cpu_config, tiny_llama
 from tests.ports import free_port
@@ -73,7 +72,6 @@ def _build(rows, tok, cache_dir, *, num_proc=1, limits=LIMITS, tokenized=False):
         desc="train dataset",
         num_proc=num_proc,
         cache=PairCache(cache_dir),
-        node=Node(),
     )
 
 
@@ -472,7 +470,7 @@ def store():
 
 
 def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch):
-    from pair_dpo_trainer import node
+    from pair_dpo_trainer.parallel import node
 
     monkeypatch.setattr(node, "HEARTBEAT_SECONDS", 0.1)
 
@@ -492,7 +490,7 @@ def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch)
 
 
 def test_a_local_main_without_heartbeat_is_a_stall(store, monkeypatch):
-    from pair_dpo_trainer import node
+    from pair_dpo_trainer.parallel import node
 
     monkeypatch.setattr(node, "HEARTBEAT_SECONDS", 0.1)
     store.set("once/1/beat", "0")  # it started, then nothing more

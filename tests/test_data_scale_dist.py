@@ -9,11 +9,10 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import build_pairs
 from pair_dpo_trainer.demo import bundled_model_dir
-from pair_dpo_trainer.node import Node
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from tests.launch import torchrun
 from tests.ports import free_port
 
@@ -77,7 +76,6 @@ def test_the_pairs_are_the_same_bytes_in_another_process(results, tmp_path):
         desc="train dataset",
         num_proc=1,
         cache=PairCache(tmp_path),
-        node=Node(),
     )
     assert built.entry.meta["key"] == meta["key"]
     assert built.entry.meta["result"]["sha256"] == meta["result"]["sha256"]

@@ -262,7 +262,7 @@ def test_shipped_fsdp2_configs_parse_with_accelerate_into_a_supported_fsdp2_plug
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
-    from pair_dpo_trainer.modeling.fsdp2 import fsdp2_problems, requested_fsdp_version
+    from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems, requested_fsdp_version
     from tests.dpo_fixtures import cpu_config
 
     env = _launch_env(ROOT / "accelerate_configs" / name)
@@ -307,7 +307,7 @@ def _plugin(monkeypatch, **kwargs):
 def test_unsupported_fsdp2_settings_are_refused_with_a_reason(
     tmp_path, monkeypatch, plugin_kwargs, config_kwargs, words
 ):
-    from pair_dpo_trainer.modeling.fsdp2 import fsdp2_problems
+    from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
     from tests.dpo_fixtures import cpu_config
 
     problems = fsdp2_problems(_plugin(monkeypatch, **plugin_kwargs), cpu_config(tmp_path, **config_kwargs))
@@ -316,7 +316,7 @@ def test_unsupported_fsdp2_settings_are_refused_with_a_reason(
 
 def test_fsdp1_is_refused_from_training_arguments_and_from_the_launcher_environment(tmp_path, monkeypatch):
     from pair_dpo_trainer.errors import ConfigError
-    from pair_dpo_trainer.modeling.fsdp2 import check_fsdp_version, fsdp2_problems
+    from pair_dpo_trainer.parallel.fsdp2 import check_fsdp_version, fsdp2_problems
     from tests.dpo_fixtures import cpu_config
 
     args = cpu_config(tmp_path)
@@ -339,7 +339,7 @@ def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
-    from pair_dpo_trainer.modeling import fsdp2
+    from pair_dpo_trainer.parallel import fsdp2
     from tests.dpo_fixtures import cpu_config
 
     args = cpu_config(tmp_path)
@@ -390,8 +390,8 @@ def test_ref_fsdp_shard_values_are_validated_with_the_config(tmp_path, options, 
 def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked_head():
     """The FSDP2 path (chunked log-probs inside the model's own head call) against the default path, unsharded."""
     from pair_dpo_trainer.collators import PackedPairCollator
-    from pair_dpo_trainer.logprobs import check_supported_head, in_forward_token_logps, packed_sequence_logps
     from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+    from pair_dpo_trainer.modeling.logprobs import check_supported_head, in_forward_token_logps, packed_sequence_logps
     from tests.dpo_fixtures import random_features, tiny_llama
 
     batch = PackedPairCollator()(random_features(3, 4, vocab=64, prompt_len=(2, 9), completion_len=(1, 8)))
@@ -420,7 +420,7 @@ def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked
 def test_identity_names_do_not_depend_on_activation_checkpointing_wrappers():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from pair_dpo_trainer.reference.engine import gathered_named_parameters
+    from pair_dpo_trainer.parallel.gather import gathered_named_parameters
     from tests.dpo_fixtures import tiny_llama
 
     plain, wrapped = tiny_llama(0), tiny_llama(0)
@@ -432,7 +432,7 @@ def test_identity_names_do_not_depend_on_activation_checkpointing_wrappers():
 
 
 def test_the_run_summary_names_fsdp2_and_the_reference_layout(tmp_path):
-    from pair_dpo_trainer.summary import run_summary
+    from pair_dpo_trainer.training.summary import run_summary
     from tests.dpo_fixtures import cpu_config
 
     line = run_summary(cpu_config(tmp_path), attn_backend="sdpa_segments", source=None, fsdp2=True)

@@ -20,8 +20,8 @@ from huggingface_hub._local_folder import get_local_download_paths, write_downlo
 from safetensors.torch import save_file
 
 import pair_dpo_trainer
+from pair_dpo_trainer.cli import verify_snapshot as verify_cli
 from pair_dpo_trainer.errors import SnapshotIntegrityError
-from pair_dpo_trainer.integrity import cli as verify_cli
 from pair_dpo_trainer.integrity import hashing, manifest_digest, verify_snapshot
 
 REVISION = hashlib.sha1(b"pair-dpo test revision").hexdigest()
@@ -445,7 +445,7 @@ def test_cli_progress_bar_on_a_terminal(
 def test_cli_subcommand_is_registered(snap: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from pair_dpo_trainer import cli
 
-    assert cli.SUBCOMMANDS["verify-snapshot"][0] == "pair_dpo_trainer.integrity.cli"
+    assert cli.SUBCOMMANDS["verify-snapshot"][0] == "pair_dpo_trainer.cli.verify_snapshot"
     try:
         cli.build_parser()
     except ImportError as exc:  # another subcommand's module is not written yet

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pair_dpo_trainer import launch
+from pair_dpo_trainer.config import launch
 from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
 from tests.ports import free_port
 

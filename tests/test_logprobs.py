@@ -17,7 +17,8 @@ from transformers import (
 
 from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import (
+from pair_dpo_trainer.modeling import enable_pair_varlen
+from pair_dpo_trainer.modeling.logprobs import (
     chunked_token_logps,
     length_desensitized_weights,
     module_chunked_token_logps,
@@ -28,7 +29,6 @@ from pair_dpo_trainer.logprobs import (
     padded_sequence_logps,
     with_length_desensitization,
 )
-from pair_dpo_trainer.modeling import enable_pair_varlen
 from tests.dpo_fixtures import random_features
 
 VOCAB = 101
@@ -164,7 +164,7 @@ def test_packed_with_pad_segment_matches_padded() -> None:
 
 def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None:
     """The log-prob part of the hot path (after the forward) calls nothing that waits for the device."""
-    import pair_dpo_trainer.logprobs as lp
+    import pair_dpo_trainer.modeling.logprobs as lp
 
     model = tiny_model("llama")
     enable_pair_varlen(model, "sdpa_segments")
@@ -313,7 +313,7 @@ def test_policy_pass_equals_a_naive_float64_computation_values_stats_and_gradien
 def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under FSDP2 the chunked head runs inside the model's own head call (one ``[P, 5]`` output: log-probs and
     statistics); here the same path runs unsharded (``is_fsdp_managed`` forced) against the default path."""
-    import pair_dpo_trainer.logprobs as lp
+    import pair_dpo_trainer.modeling.logprobs as lp
 
     batch = lp.with_length_desensitization(PackedPairCollator()(tiny_features(seed=4, n=3)), 0.5)
     results = []

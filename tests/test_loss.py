@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pair_dpo_trainer.loss import LOSS_FUNCTIONS, LossParams, Objective, PairLogps, StepContext
-from pair_dpo_trainer.losses import OBJECTIVES
+from pair_dpo_trainer.losses import LOSS_FUNCTIONS, OBJECTIVES, LossParams, Objective, PairLogps, StepContext
 
 
 def _log_sigmoid(x: float) -> float:
@@ -297,9 +296,9 @@ _SYNC_METHODS = ("item", "cpu", "tolist", "nonzero", "numpy", "__bool__", "__flo
 def test_objective_and_metrics_of_a_micro_batch_make_no_host_sync(loss_type, monkeypatch):
     """The loss half of the hot path (objective with WPO, BCO's pending sums, the eval step context, the metric
     sums) calls nothing that waits for the device; the log-prob half is tests/test_logprobs.py's."""
-    from pair_dpo_trainer.losses.state import RunningRewardMean
-    from pair_dpo_trainer.losses.step import StepContextBuilder
-    from pair_dpo_trainer.metrics import PairMetrics
+    from pair_dpo_trainer.training.metrics import PairMetrics
+    from pair_dpo_trainer.training.objective_state import RunningRewardMean
+    from pair_dpo_trainer.training.step_context import StepContextBuilder
 
     tensors, nc, nr = _inputs(6, seed=12)
     gen = torch.Generator().manual_seed(2)

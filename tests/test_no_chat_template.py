@@ -14,12 +14,12 @@ import datasets
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.data.normalize import normalize_row
 from pair_dpo_trainer.data.tokenize import tokenize_dataset, tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import PreferenceRowError
 from tests.dpo_fixtures import cpu_config
 

@@ -15,9 +15,9 @@ from transformers import TrainerCallback
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.errors import PairDPOError
 from pair_dpo_trainer.integrity import read_identity
-from pair_dpo_trainer.losses.state import OBJECTIVE_STATE_FILENAME
 from pair_dpo_trainer.reference import NoReference
 from pair_dpo_trainer.reference.sync import SYNCED_REFERENCE_FILENAME
+from pair_dpo_trainer.training.objective_state import OBJECTIVE_STATE_FILENAME
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama
 from tests.test_trainer import _trainer
 
@@ -316,7 +316,7 @@ def test_step_level_objectives_do_not_depend_on_gradient_accumulation(tmp_path, 
 
 
 def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):
-    from pair_dpo_trainer.summary import run_summary
+    from pair_dpo_trainer.training.summary import run_summary
 
     mixture = cpu_config(tmp_path, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], ld_alpha=0.5)
     line = run_summary(mixture, attn_backend="x", source=None)

@@ -14,8 +14,9 @@ from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, parameter_digest, read_identity
 from pair_dpo_trainer.reference import manager as manager_module
-from pair_dpo_trainer.reference.engine import reference_ds_config
+from pair_dpo_trainer.reference.deepspeed import reference_ds_config
 from pair_dpo_trainer.reference.precompute import PrecomputedReference, dataset_fingerprint
+from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 from tests.test_reference_gate import _reweight
 
@@ -186,7 +187,7 @@ def test_dataset_fingerprint_depends_on_token_ids_only():
 
 def test_precompute_with_reference_free_and_offload_without_deepspeed_are_refused(tmp_path):
     with pytest.raises(ConfigError) as info:
-        PairDPOConfig(output_dir=str(tmp_path), reference_free=True, precompute_ref_log_probs=True)
+        check_config(PairDPOConfig(output_dir=str(tmp_path), reference_free=True, precompute_ref_log_probs=True))
     assert info.value.reason_code == "unsupported_combination"
     with pytest.raises(ConfigError) as info:
         _trainer(tmp_path, ref_offload_params=True)
@@ -288,7 +289,7 @@ def test_reference_zero_init_loads_a_replicated_reference_whole_in_a_zero3_run()
     pytest.importorskip("deepspeed")
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from pair_dpo_trainer.reference.engine import reference_zero_init
+    from pair_dpo_trainer.reference.deepspeed import reference_zero_init
 
     run = hf_deepspeed.HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     try:
@@ -305,7 +306,7 @@ def test_reference_zero_init_loads_a_replicated_reference_whole_in_a_zero3_run()
 
 def test_a_partitioned_model_is_refused_by_a_replicated_reference_engine():
     pytest.importorskip("deepspeed")
-    from pair_dpo_trainer.reference.engine import build_deepspeed_reference
+    from pair_dpo_trainer.reference.deepspeed import build_deepspeed_reference
 
     model = tiny_llama(0)
     next(model.parameters()).ds_id = 0  # as deepspeed.zero.Init marks a partitioned parameter
@@ -318,7 +319,7 @@ def test_reference_zero_init_swaps_the_global_deepspeed_config_only_inside():
     pytest.importorskip("deepspeed")
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    from pair_dpo_trainer.reference.engine import reference_zero_init
+    from pair_dpo_trainer.reference.deepspeed import reference_zero_init
 
     run = hf_deepspeed.HfDeepSpeedConfig({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}})
     try:

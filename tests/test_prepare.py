@@ -9,12 +9,12 @@ from pathlib import Path
 import datasets
 import pytest
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer.cli import main
 from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepare import Candidate, select_split
 from pair_dpo_trainer.data.tokenize import tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 
 OUTPUTS = ["eval.arrow", "eval.jsonl", "manifest.json", "train.arrow", "train.jsonl"]
 

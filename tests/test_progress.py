@@ -9,10 +9,10 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import bundled_model_dir
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 from tests.launch import torchrun
 from tests.ports import free_port

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from benchmarks.tools.demo_assets import download_metadata_files
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, SnapshotIntegrityError
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.demo.build import download_metadata_files
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
+from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import cpu_config
 
 PAIRS = [json.loads(line) for line in open(bundled_pairs_path(), encoding="utf-8").readlines()[:48]]
@@ -91,9 +92,9 @@ def test_unpinned_reference_allowed_explicitly_records_pinned_false(tmp_path, ca
     assert trainer.reference_identity.pinned is False and trainer.reference_identity.manifest_digest is None
 
 
-def test_short_revision_is_refused_at_config_time(tmp_path):
+def test_short_revision_is_refused_before_anything_loads(tmp_path):
     with pytest.raises(ConfigError) as info:
-        _config(tmp_path, ref_model_revision=DEMO_REVISION[:12])
+        check_config(_config(tmp_path, ref_model_revision=DEMO_REVISION[:12]))
     assert info.value.reason_code == "revision_not_pinned"
 
 

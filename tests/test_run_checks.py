@@ -1,5 +1,5 @@
 """Validation in one place: the config collects every config-only problem, the trainer's one runtime check
-(``run_checks.run_problems``) every problem that needs the run, each raised once with ``.problems``."""
+(``training.checks.run_problems``) every problem that needs the run, each raised once with ``.problems``."""
 
 from __future__ import annotations
 
@@ -7,14 +7,18 @@ import pytest
 
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import cpu_config, runtime_error, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 
 def test_the_reference_engine_options_report_every_problem_not_the_first(tmp_path) -> None:
     with pytest.raises(ConfigError) as info:
-        cpu_config(tmp_path, zero3_leaf_modules="Llama Decoder", ref_zero_stage=2)
+        cpu_config(tmp_path, ref_zero_stage=2, ref_fsdp_shard="yes")
     assert info.value.reason_code == "invalid_config"
-    assert [code for code, _ in info.value.problems] == ["bad_zero3_leaf_modules", "bad_ref_zero_stage"]
+    assert [code for code, _ in info.value.problems] == ["bad_ref_zero_stage", "bad_ref_fsdp_shard"]
+    with pytest.raises(ConfigError) as info:
+        check_config(cpu_config(tmp_path, zero3_leaf_modules="Llama Decoder", torch_compile_mode="max-autotune"))
+    assert [code for code, _ in info.value.problems] == ["unsupported_combination", "bad_zero3_leaf_modules"]
 
 
 def test_a_trainer_raises_every_runtime_problem_at_once(tmp_path) -> None:

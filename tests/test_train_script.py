@@ -70,7 +70,7 @@ def test_plot_cli_redraws_curves_from_trainer_state(demo_run, tmp_path):
 
 
 def test_train_script_sets_expandable_segments_only_when_no_allocator_is_configured(monkeypatch, capsys):
-    from pair_dpo_trainer.allocator import default_cuda_allocator
+    from pair_dpo_trainer.config.allocator import default_cuda_allocator
 
     env: dict[str, str] = {}
     assert default_cuda_allocator(env) == "expandable_segments:True"

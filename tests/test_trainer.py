@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch
-from pair_dpo_trainer.logprobs import padded_sequence_logps
+from pair_dpo_trainer.modeling.logprobs import padded_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference, NoReference
-from pair_dpo_trainer.summary import run_summary
+from pair_dpo_trainer.training.summary import run_summary
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 

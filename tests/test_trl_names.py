@@ -8,7 +8,7 @@ import pytest
 from transformers import TrainingArguments
 
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
-from pair_dpo_trainer.options import RENAMED_OPTIONS, TRAINER_KWARG_EQUIVALENTS, TRL_CONFIG_EQUIVALENTS
+from pair_dpo_trainer.config.trl_names import RENAMED_OPTIONS, TRAINER_KWARG_EQUIVALENTS, TRL_CONFIG_EQUIVALENTS
 from tests.dpo_fixtures import cpu_config, tiny_llama, tiny_tokenizer
 
 # TRL 1.16.0's DPOConfig fields beyond TrainingArguments' (trl/trainer/dpo_config.py and base_config.py), so the check

@@ -3,9 +3,9 @@
 TRL's ``DPOTrainer._compute_loss`` runs unchanged on a bare ``DPOTrainer`` object whose "models" return given
 per-token quantities (what TRL's fused LM head returns: ``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``,
 ``log_sum_sq_probs``), so no TRL training runs. Our side gets the same per-token values in packed order and goes
-through the training path's own code: :func:`~pair_dpo_trainer.logprobs.sequence_logps_from_tokens` (LD-DPO weights
-from :func:`~pair_dpo_trainer.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the objective
-and :class:`~pair_dpo_trainer.metrics.PairMetrics`. SimPO and ORPO are compared with TRL's experimental
+through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs.sequence_logps_from_tokens` (LD-DPO weights
+from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the objective
+and :class:`~pair_dpo_trainer.training.metrics.PairMetrics`. SimPO and ORPO are compared with TRL's experimental
 ``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``, TR-DPO's mixing with TRL's ``SyncRefModelCallback``.
 
 Tolerance: 1e-10 absolute/relative in float64 (float32 for ``alpha_divergence``, whose clamp table TRL keys by
@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from pair_dpo_trainer.collators import PackedPairCollator
-from pair_dpo_trainer.logprobs import length_desensitized_weights, sequence_logps_from_tokens
 from pair_dpo_trainer.losses import LossParams, Objective
-from pair_dpo_trainer.metrics import PairMetrics
+from pair_dpo_trainer.modeling.logprobs import length_desensitized_weights, sequence_logps_from_tokens
 from pair_dpo_trainer.trainer import pair_logps_from_sequences
+from pair_dpo_trainer.training.metrics import PairMetrics
 
 trl = pytest.importorskip("trl")
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from benchmarks.tools.demo_pairs import generate_demo_pairs
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleError
 from pair_dpo_trainer.modeling import attention
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer

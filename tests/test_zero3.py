@@ -1,4 +1,4 @@
-"""ZeRO-3 leaf modules (``pair_dpo_trainer.modeling.zero3``): which modules are flagged, and the refusals.
+"""ZeRO-3 leaf modules (``pair_dpo_trainer.parallel.zero3``): which modules are flagged, and the refusals.
 
 What the flags do to a real DeepSpeed engine (no hooks inside a leaf; the same losses and parameters as per-submodule
 hooks) is tested with 2 ranks in tests/test_deepspeed.py.
@@ -13,7 +13,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
-from pair_dpo_trainer.modeling.zero3 import mark_zero3_leaf_modules, zero3_leaf_modules_problem, zero3_leaf_setup
+from pair_dpo_trainer.parallel.zero3 import mark_zero3_leaf_modules, zero3_leaf_modules_problem, zero3_leaf_setup
 from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
 
 pytest.importorskip("deepspeed")
@@ -84,7 +84,7 @@ def test_a_peft_policy_gets_no_leaves_and_named_leaves_are_refused_for_it() -> N
     """DeepSpeed would reduce a leaf's gradients before the LoRA weight gradients exist (see zero3_leaf_setup)."""
     model = tiny_llama()
     assert zero3_leaf_setup(model, "auto", zero3=True, peft=True) == () and _flagged(model) == []
-    from pair_dpo_trainer.run_checks import zero3_leaf_problems
+    from pair_dpo_trainer.training.checks import zero3_leaf_problems
 
     assert [code for code, _ in zero3_leaf_problems("LlamaDecoderLayer", zero3=True, peft=True)] == [
         "unsupported_combination"

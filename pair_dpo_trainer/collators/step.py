@@ -3,7 +3,7 @@
 With a token budget the number of micro-batches changes from step to step (it is the same on every rank), while HF
 Trainer counts gradient accumulation in DataLoader items. So the train DataLoader yields whole steps
 (:class:`~pair_dpo_trainer.samplers.sampler.PairStepSampler`), the Trainer runs with ``gradient_accumulation_steps=1``
-and :mod:`pair_dpo_trainer.accumulation` runs the micro-batches of the item. ``len(dataloader)`` is then the number of
+and :mod:`pair_dpo_trainer.training.accumulation` runs the micro-batches of the item. ``len(dataloader)`` is then the number of
 optimizer steps, so the Trainer's ``steps_in_epoch``, ``num_update_steps_per_epoch``, LR schedule, ``global_step`` and
 its resume skip (``global_step % steps_per_epoch`` items) all count optimizer steps.
 

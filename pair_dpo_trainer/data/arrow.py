@@ -213,7 +213,7 @@ def _content_fingerprint(dataset: Any) -> str:
 
 def _in_forked_child(fn: Any, *args: Any) -> Any:
     """``fn(*args)`` computed in a forked child (``args`` inherited, not pickled); its exception is raised here."""
-    from pair_dpo_trainer.portable import freeze_exception, thaw_exception
+    from pair_dpo_trainer.errors import freeze_exception, thaw_exception
 
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)

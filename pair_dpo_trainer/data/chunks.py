@@ -1,6 +1,6 @@
 """One chunk of rows -> tokenised pairs as an Arrow record batch, and the tally of every chunk in input order.
 
-A :class:`PairConverter` is what each worker runs (:func:`~pair_dpo_trainer.data.parallel.ordered_map`): it reads
+A :class:`PairConverter` is what each worker runs (:func:`~pair_dpo_trainer.data.workers.ordered_map`): it reads
 the chunk's rows (:func:`~pair_dpo_trainer.data.streams.chunk_rows`), converts them with the package's one row
 conversion (:func:`~pair_dpo_trainer.data.tokenize.tokenize_dataset` for raw rows,
 :func:`~pair_dpo_trainer.data.tokenize.truncate_dataset` for pre-tokenised ones; never strict, so the chunk's
@@ -23,9 +23,9 @@ from typing import Any
 import pyarrow as pa
 
 from pair_dpo_trainer.data.arrow import ids_array
-from pair_dpo_trainer.data.parallel import ordered_map
 from pair_dpo_trainer.data.streams import Chunk, chunk_rows
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, TokenizationResult, tokenize_dataset, truncate_dataset
+from pair_dpo_trainer.data.workers import ordered_map
 from pair_dpo_trainer.errors import PreferenceRowError
 
 IDS_SCHEMA = pa.schema([(column, pa.list_(pa.int32())) for column in FEATURE_COLUMNS])

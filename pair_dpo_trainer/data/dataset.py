@@ -14,21 +14,16 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from pair_dpo_trainer.data.arrow import is_arrow_dataset
 from pair_dpo_trainer.data.cache import PairCache
-from pair_dpo_trainer.data.pairs import build_pairs
-from pair_dpo_trainer.data.parallel import resolve_num_proc
+from pair_dpo_trainer.data.pairs import OncePerNode, build_pairs, in_this_process
 from pair_dpo_trainer.data.prepared import PreparedSplit
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
-from pair_dpo_trainer.node import Node
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +47,7 @@ def as_pair_dataset(
     desc: str = "dataset",
     num_proc: int = 1,
     cache_dir: str | None = None,
-    node: Node | None = None,
+    once: OncePerNode = in_this_process,
 ) -> Any:
     """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``.
 
@@ -72,7 +67,7 @@ def as_pair_dataset(
         desc: Name of the dataset in messages, the log line and the progress bar.
         num_proc: Worker processes that convert rows (on the node's local main process).
         cache_dir: Root of the tokenised-pairs cache (None: :func:`~pair_dpo_trainer.data.cache.default_cache_dir`).
-        node: This process's node (None: a single process).
+        once: Runs a conversion once per node (``parallel.node.Node.once``); default: in this process.
 
     Returns:
         A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows); pre-tokenised
@@ -88,7 +83,7 @@ def as_pair_dataset(
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
     }
-    options: dict[str, Any] = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "node": node}
+    options: dict[str, Any] = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "once": once}
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         return {
             name: as_pair_dataset(part, tokenizer, **limits, **options, desc=f"{desc} {name!r}")
@@ -106,7 +101,7 @@ def _one_dataset(
     progress: bool,
     num_proc: int,
     cache_dir: str | None,
-    node: Node | None,
+    once: OncePerNode,
 ) -> Any:
     """:func:`as_pair_dataset` of one dataset."""
     if isinstance(dataset, PreparedSplit):
@@ -128,21 +123,11 @@ def _one_dataset(
         desc=desc,
         num_proc=num_proc,
         cache=PairCache(cache_dir),
-        node=node or Node(),
+        once=once,
         progress=progress,
     )
     _log_truncation(desc, built.num_truncated, built.num_rows, limits)
     return built.dataset
-
-
-def data_scale_options(args: PairDPOConfig) -> dict[str, Any]:
-    """The conversion options of a ``PairDPOConfig`` for :func:`as_pair_dataset`: ``num_proc`` (``dataset_num_proc``,
-    default the usable cores), ``cache_dir`` (``dataset_cache_dir``) and the process's ``node``."""
-    return {
-        "num_proc": resolve_num_proc(args.dataset_num_proc),
-        "cache_dir": args.dataset_cache_dir,
-        "node": Node.from_args(args),
-    }
 
 
 def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:

@@ -6,8 +6,8 @@ pre-tokenised ``datasets.Dataset``:
 1. every rank computes the cache key (:mod:`pair_dpo_trainer.data.cache`): the rows' fingerprint, the tokenizer's
    fingerprint (raw rows), the limits;
 2. the node's local main process finds the entry, or converts the rows with ``num_proc`` workers
-   (:mod:`pair_dpo_trainer.data.parallel`, :mod:`pair_dpo_trainer.data.chunks`) into an Arrow file and publishes the
-   entry, while the node's other ranks wait (:class:`~pair_dpo_trainer.node.Node`);
+   (:mod:`pair_dpo_trainer.data.workers`, :mod:`pair_dpo_trainer.data.chunks`) into an Arrow file and publishes the
+   entry, while the node's other ranks wait (:class:`~pair_dpo_trainer.parallel.node.Node`);
 3. every rank memory-maps that file. A rank whose own key differs from the local main's (other rows, another
    tokenizer) converts its rows itself instead of using another dataset's result.
 
@@ -23,7 +23,7 @@ import json
 import logging
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,11 +34,19 @@ from pair_dpo_trainer.data.arrow import StreamWriter, content_fingerprint, is_ar
 from pair_dpo_trainer.data.cache import ARROW_FILE, CACHE_FORMAT, CacheEntry, PairCache, rows_fingerprint
 from pair_dpo_trainer.data.chunks import IDS_SCHEMA, KeepColumns, PairConverter, Tally, convert_chunks, encode_ids
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
-from pair_dpo_trainer.data.parallel import CHUNK_ROWS
 from pair_dpo_trainer.data.streams import range_chunks
-from pair_dpo_trainer.node import Node
+from pair_dpo_trainer.data.workers import CHUNK_ROWS
 
 logger = logging.getLogger(__name__)
+
+OncePerNode = Callable[[Callable[[], Any]], tuple[Any, bool]]
+"""Runs ``work`` on the node's local main only and returns ``(its result, whether this process ran it)`` on every
+rank of the node. The trainer passes ``parallel.node.Node.once``; data code never learns about ranks itself."""
+
+
+def in_this_process(work: Callable[[], Any]) -> tuple[Any, bool]:
+    """The :data:`OncePerNode` of a single process: runs ``work`` here."""
+    return work(), True
 
 
 @dataclass(frozen=True)
@@ -69,7 +77,7 @@ def build_pairs(
     desc: str,
     num_proc: int,
     cache: PairCache,
-    node: Node,
+    once: OncePerNode = in_this_process,
     progress: bool = False,
 ) -> BuiltPairs:
     """Tokenised pairs of ``dataset`` within ``limits``, converted once per node (module docstring).
@@ -82,7 +90,7 @@ def build_pairs(
         desc: Name of the dataset in messages and logs.
         num_proc: Worker processes of the local main's conversion.
         cache: Where entries live.
-        node: This process's node (who converts, who waits).
+        once: Runs the conversion once per node (who converts, who waits); default: in this process.
         progress: Show a progress bar (rows/s) on stderr while converting.
 
     Raises:
@@ -96,8 +104,8 @@ def build_pairs(
     build = functools.partial(
         _write_pairs, dataset, tokenizer, limits, tokenized=tokenized, desc=desc, num_proc=num_proc, progress=progress
     )
-    shared = node.once(lambda: cache.get_or_build(key, build, num_proc=num_proc))
-    entry, here = shared.value, shared.here and shared.value.built_here
+    entry, ran_here = once(lambda: cache.get_or_build(key, build, num_proc=num_proc))
+    here = ran_here and entry.built_here
     if entry.meta["key"] != json.loads(json.dumps(key)):  # this rank's rows or tokenizer differ from the main's
         entry = cache.get_or_build(key, build, num_proc=num_proc)
         here = entry.built_here
@@ -108,7 +116,7 @@ def build_pairs(
 
 
 def _cache_key(fingerprint: str, tokenizer: Any, limits: Mapping[str, Any]) -> dict[str, Any]:
-    from pair_dpo_trainer import __version__
+    from pair_dpo_trainer.version import __version__
 
     return {
         "format": CACHE_FORMAT,

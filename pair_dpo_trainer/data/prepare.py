@@ -37,17 +37,16 @@ from typing import Any
 import numpy as np
 
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
-from pair_dpo_trainer.data.parallel import MAX_NUM_PROC, resolve_num_proc
 from pair_dpo_trainer.data.prepare_rows import Candidate, PromptGroups, ReadResult, read_inputs, write_splits
 from pair_dpo_trainer.data.prepared import MANIFEST_FORMAT
-from pair_dpo_trainer.data.readers import FORMATS, InputError, input_format, sha256_file
+from pair_dpo_trainer.data.readers import FORMATS, input_format, sha256_file
 from pair_dpo_trainer.data.splits import split_by_prompt, split_groups
-from pair_dpo_trainer.errors import PairDPOError
+from pair_dpo_trainer.data.workers import resolve_num_proc
 
 OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "train.arrow", "eval.arrow", "manifest.json")
 CANDIDATES = ".candidates.arrow"  # inside the staging directory only
 
-__all__ = ["Candidate", "OUTPUT_FILES", "Split", "UsageError", "add_arguments", "run", "select_split"]
+__all__ = ["Candidate", "OUTPUT_FILES", "PrepareReport", "Split", "UsageError", "prepare", "select_split"]
 
 
 class UsageError(Exception):
@@ -78,97 +77,52 @@ class Selection:
     eval: np.ndarray
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Registers the ``prepare-data`` arguments on ``parser``."""
-    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows.")
-    parser.add_argument("--output", required=True, metavar="DIR", help="Output directory (created atomically).")
-    parser.add_argument(
-        "--tokenizer",
-        required=True,
-        metavar="PATH",
-        help="Local tokenizer directory; without a chat template, plain-string rows are tokenised by concatenation.",
-    )
-    parser.add_argument("--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1).")
-    parser.add_argument("--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0).")
-    parser.add_argument("--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection.")
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        default=1024,
-        metavar="L",
-        help="Maximum tokens of prompt + one completion (default 1024).",
-    )
-    parser.add_argument(
-        "--max-prompt-length",
-        type=int,
-        default=512,
-        metavar="P",
-        help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
-    )
-    parser.add_argument(
-        "--max-tokens-per-microbatch",
-        type=int,
-        default=None,
-        metavar="T",
-        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
-        "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
-    )
-    parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
-    parser.add_argument(
-        "--num-proc",
-        type=int,
-        default=None,
-        metavar="W",
-        help=f"Worker processes that tokenise (default: the usable cores, at most {MAX_NUM_PROC}); the outputs are "
-        "byte-identical for any W.",
-    )
-    parser.add_argument(
-        "--disable-tqdm", action="store_true", help="Show no progress bar (default: one per input file, on stderr)."
-    )
-    parser.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="Replace an existing DIR that holds only a previous prepare-data output.",
-    )
+@dataclass(frozen=True)
+class PrepareReport:
+    """What one ``prepare-data`` run read, kept and wrote, for its summary lines."""
+
+    tally: Any
+    num_inputs: int
+    num_train: int
+    num_eval: int
+    rate: str
+    workers: int
+    split_seconds: float
+    write_seconds: float
 
 
-def run(args: argparse.Namespace) -> int:
-    """Runs ``prepare-data``; returns 0 on success, 2 (with a message on stderr) on a usage or input error."""
-    try:
-        _check_args(args)
-        output = _check_output(Path(args.output), overwrite=args.overwrite)
-        loaded = _load_tokenizer(args.tokenizer)
-        with _staged(output) as tmp:
-            read = _read_all(args, loaded.tokenizer, tmp / CANDIDATES)
-            rate, started = read.tally.rate(), time.perf_counter()
-            groups = read.groups()
-            split = _select(groups, read, args)
-            split_seconds, started = time.perf_counter() - started, time.perf_counter()
-            outputs = write_splits(tmp, read, {"train": split.train, "eval": split.eval})
-            write_seconds = time.perf_counter() - started
-            (tmp / CANDIDATES).unlink()
-            text = json.dumps(
-                {**_manifest(args, read, loaded.info, split, groups), "outputs": outputs}, indent=2, sort_keys=True
-            )
-            (tmp / "manifest.json").write_bytes((text + "\n").encode("utf-8"))
-    except (UsageError, InputError, PairDPOError) as exc:
-        print(f"pair-dpo prepare-data: error: {exc}", file=sys.stderr)
-        return 2
-    tally = read.tally
-    print(
-        f"read {tally.num_rows} rows from {len(read.inputs)} input(s); accepted {tally.num_accepted}; "
-        f"rejected {sum(tally.rejections.values())}{_counts(tally.rejections)}"
-    )
-    for code in sorted(tally.examples):
-        print(f"  e.g. [{code}] {tally.examples[code]}")
-    print(f"wrote {len(split.train)} train + {len(split.eval)} eval pairs to {args.output}")
-    if not args.disable_tqdm:
-        print(
-            f"tokenised {rate} on {read.workers} worker(s); split in {split_seconds:.2f} s; "
-            f"wrote the splits in {write_seconds:.2f} s",
-            file=sys.stderr,
+def prepare(args: argparse.Namespace) -> PrepareReport:
+    """Runs ``prepare-data`` with the options of :mod:`pair_dpo_trainer.cli.prepare_data` (an argparse namespace).
+
+    Raises:
+        UsageError / InputError / PairDPOError: a usage or input problem (the output directory is left untouched).
+    """
+    _check_args(args)
+    output = _check_output(Path(args.output), overwrite=args.overwrite)
+    loaded = _load_tokenizer(args.tokenizer)
+    with _staged(output) as tmp:
+        read = _read_all(args, loaded.tokenizer, tmp / CANDIDATES)
+        rate, started = read.tally.rate(), time.perf_counter()
+        groups = read.groups()
+        split = _select(groups, read, args)
+        split_seconds, started = time.perf_counter() - started, time.perf_counter()
+        outputs = write_splits(tmp, read, {"train": split.train, "eval": split.eval})
+        write_seconds = time.perf_counter() - started
+        (tmp / CANDIDATES).unlink()
+        text = json.dumps(
+            {**_manifest(args, read, loaded.info, split, groups), "outputs": outputs}, indent=2, sort_keys=True
         )
-    return 0
+        (tmp / "manifest.json").write_bytes((text + "\n").encode("utf-8"))
+    return PrepareReport(
+        read.tally,
+        len(read.inputs),
+        len(split.train),
+        len(split.eval),
+        rate,
+        read.workers,
+        split_seconds,
+        write_seconds,
+    )
 
 
 def select_split(candidates: list[Candidate], *, train_size: int, eval_size: int, seed: int) -> Split:
@@ -281,7 +235,8 @@ def _select(groups: PromptGroups, read: ReadResult, args: argparse.Namespace) ->
     return Selection(train=np.sort(train), eval=np.sort(eval_))
 
 
-def _counts(counter: Counter[str]) -> str:
+def rejection_counts(counter: Counter[str]) -> str:
+    """``": code=n, code=n"`` in code order (empty when nothing was rejected), for messages."""
     if not counter:
         return ""
     return ": " + ", ".join(f"{code}={counter[code]}" for code in sorted(counter))
@@ -294,7 +249,7 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult, groups: Promp
         rejected = sum(tally.rejections.values())
         hint = f" First rejection: {tally.first_rejection}" if tally.first_rejection else ""
         return (
-            f"only {valid} valid pairs ({rejected} rows rejected{_counts(tally.rejections)}), but "
+            f"only {valid} valid pairs ({rejected} rows rejected{rejection_counts(tally.rejections)}), but "
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
         )
     prompts = groups.count()
@@ -308,7 +263,7 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult, groups: Promp
 def _manifest(
     args: argparse.Namespace, read: ReadResult, tokenizer_info: dict[str, Any], split: Selection, groups: PromptGroups
 ) -> dict:
-    from pair_dpo_trainer import __version__
+    from pair_dpo_trainer.version import __version__
 
     return {
         "format": MANIFEST_FORMAT,

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from pair_dpo_trainer.data.normalize import UnreadableRow
-from pair_dpo_trainer.data.parallel import CHUNK_ROWS
 from pair_dpo_trainer.data.readers import (
     InputError,
     _json_document,
@@ -35,6 +34,7 @@ from pair_dpo_trainer.data.readers import (
     iter_rows,
     sha256_file,
 )
+from pair_dpo_trainer.data.workers import CHUNK_ROWS
 
 
 @dataclass(frozen=True)

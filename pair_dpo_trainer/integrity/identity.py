@@ -168,7 +168,7 @@ def probe_digest(logps: torch.Tensor, *, decimals: int = PROBE_DECIMALS) -> str:
 
 def collect_versions() -> dict[str, str]:
     """Versions of torch, transformers, accelerate, deepspeed (if installed), pair_dpo_trainer and python."""
-    from pair_dpo_trainer import __version__
+    from pair_dpo_trainer.version import __version__
 
     versions = {"python": platform.python_version(), "pair_dpo_trainer": __version__}
     for package in VERSIONED_PACKAGES:

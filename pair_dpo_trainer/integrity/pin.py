@@ -18,7 +18,6 @@ etags match the ones the Hub would show after an upload.
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
 import hashlib
 import os
@@ -27,7 +26,6 @@ from pathlib import Path
 
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.errors import SnapshotIntegrityError
-from pair_dpo_trainer.integrity.cli import positive_int, run_snapshot_command
 from pair_dpo_trainer.integrity.completeness import check_completeness
 from pair_dpo_trainer.integrity.hashing import HashJob, ProgressFn, verify_hashes
 from pair_dpo_trainer.integrity.layout import (
@@ -134,33 +132,3 @@ def _write_metadata(root: Path, files: tuple[VerifiedFile, ...], revision: str, 
             f.write(metadata_text(revision, file.digest, timestamp))
     for rel in stale:
         (root / metadata_rel(rel)).unlink(missing_ok=True)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Adds the ``pin`` arguments to ``parser``."""
-    parser.add_argument("path", help="A local model directory, e.g. the output of save_pretrained after SFT.")
-    parser.add_argument(
-        "--force", action="store_true", help="Replace existing download metadata (a Hub download's or a pin's)."
-    )
-    parser.add_argument("--json", action="store_true", dest="as_json", help="Print one JSON object on stdout.")
-    parser.add_argument(
-        "--allow-pickle", action="store_true", help="Accept .bin (pickle) weights when no safetensors exist."
-    )
-    parser.add_argument("--threads", type=positive_int, default=None, help="Hashing threads (default: one per core).")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Runs ``pin``; returns 0 (pinned, the revision printed) or 1 (refused, the reason code printed)."""
-
-    def pin(progress: ProgressFn) -> VerifiedSnapshot:
-        return pin_snapshot(
-            args.path, threads=args.threads, allow_pickle=args.allow_pickle, force=args.force, progress=progress
-        )
-
-    def detail(snapshot: VerifiedSnapshot) -> str:
-        return (
-            f"train against it with: --ref_model_revision {snapshot.revision}\n"
-            f'  (PairDPOConfig(ref_model_revision="{snapshot.revision}")); a later change to the directory is refused.'
-        )
-
-    return run_snapshot_command(pin, as_json=args.as_json, done="PINNED", refused="REFUSED", detail=detail)

@@ -1,7 +1,7 @@
 """One hashing of the reference snapshot per node: the local main proves it, the node's other ranks check the proof.
 
 Hashing a 70B snapshot reads ~140 GB; every rank of a node doing it reads the same bytes eight times. Instead
-(:func:`pair_dpo_trainer.reference.source.resolve_reference_source` through :class:`~pair_dpo_trainer.node.Node`):
+(:func:`pair_dpo_trainer.reference.source.resolve_reference_source` through :class:`~pair_dpo_trainer.parallel.node.Node`):
 
 1. the node's local main runs the full :func:`~pair_dpo_trainer.integrity.snapshot.verify_snapshot` and, with it, a
    :class:`SnapshotProof` (:func:`verify_and_prove`): for each file it hashed, the digest and the file's stamp

@@ -4,7 +4,7 @@ Every objective takes a :class:`PairLogps` (``[n]`` tensors, one entry per pair)
 :class:`StepContext` (optional) and returns per-pair losses ``[n]``; :class:`Objective` combines several with
 ``loss_weights``. The trainer sums the per-pair totals and divides by the global pair count of the optimizer step;
 nothing here knows about ranks or accumulation, except through the step context the trainer builds
-(:mod:`pair_dpo_trainer.losses.step`). The table of objectives, papers and hyper-parameters is docs/losses.md.
+(:mod:`pair_dpo_trainer.training.step_context`). The table of objectives, papers and hyper-parameters is docs/losses.md.
 
 Example:
     >>> import torch

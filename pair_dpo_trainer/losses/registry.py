@@ -1,10 +1,11 @@
-"""Every objective by name, with what it needs: the one table the config, the trainer and the docs read."""
+"""Every objective by name, with what it needs: the one table the checks, the trainer and the docs read."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pair_dpo_trainer.losses import aot, pairwise, reference_free
+from pair_dpo_trainer.losses import aot, pairwise, reference_free  # the submodules, not the package's names
 from pair_dpo_trainer.losses.base import LossFn
 
 
@@ -71,3 +72,19 @@ LABEL_FREE_LOSSES = frozenset({"sft"})
 
 REFERENCE_FREE_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if not spec.reference)
 """Objectives that need no reference model."""
+
+
+def uses_reference(loss_type: Sequence[str], *, reference_free: bool = False) -> bool:
+    """False when the run builds no reference: ``reference_free=True`` or only reference-free objectives
+    (``simpo``, ``orpo``, ``sft``). An unknown name counts as needing one (it is refused by ``losses.checks``).
+
+    Example:
+        >>> uses_reference(["sigmoid", "sft"]), uses_reference(["orpo", "sft"])
+        (True, False)
+    """
+    return not reference_free and any(OBJECTIVES[name].reference if name in OBJECTIVES else True for name in loss_type)
+
+
+def no_reference_reason(loss_type: Sequence[str], *, reference_free: bool = False) -> str:
+    """Why a run builds no reference, for messages (``reference_free=True`` or the reference-free losses)."""
+    return "reference_free=True" if reference_free else f"loss_type={list(loss_type)} (reference-free)"

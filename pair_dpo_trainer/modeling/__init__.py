@@ -8,7 +8,6 @@ from pair_dpo_trainer.modeling.attention import (
     pair_varlen_attention_forward,
     register_pair_varlen,
     select_attn_backend,
-    unwrap_model,
     varlen_attention,
 )
 
@@ -20,6 +19,5 @@ __all__ = [
     "pair_varlen_attention_forward",
     "register_pair_varlen",
     "select_attn_backend",
-    "unwrap_model",
     "varlen_attention",
 ]

@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, PreTrainedModel
+from transformers import AttentionInterface
 
-from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.errors import ConfigError, Problem
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 if TYPE_CHECKING:
     from pair_dpo_trainer.collators.packed import PackedPairBatch
@@ -48,6 +49,17 @@ PAIR_VARLEN = "pair_varlen"
 
 BACKENDS = ("flash_attn", "torch_varlen", "sdpa_segments")
 """Concrete backends, best first; ``"auto"`` picks the first available one."""
+
+ATTN_BACKENDS = ("auto", *BACKENDS)
+"""The values of ``attn_backend``."""
+
+
+def attn_backend_problems(attn_backend: str) -> list[Problem]:
+    """``bad_attn_backend`` when ``attn_backend`` is not one of :data:`ATTN_BACKENDS`."""
+    if attn_backend in ATTN_BACKENDS:
+        return []
+    return [("bad_attn_backend", f"attn_backend={attn_backend!r}: use one of {list(ATTN_BACKENDS)}.")]
+
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _BACKEND_ATTR = "_pair_varlen_backend"
@@ -169,17 +181,6 @@ def register_pair_varlen() -> str:
     """Register :func:`pair_varlen_attention_forward` as ``"pair_varlen"`` (idempotent); return the name."""
     AttentionInterface.register(PAIR_VARLEN, pair_varlen_attention_forward)
     return PAIR_VARLEN
-
-
-def unwrap_model(model: torch.nn.Module) -> Any:
-    """Strip wrappers that hold the model as ``.module`` (DDP, DeepSpeed engine) down to the HF model.
-
-    Returns ``Any``: the model is used by the transformers API it offers (``config``, ``get_decoder()``,
-    ``get_output_embeddings()``), which a ``PreTrainedModel`` or a PEFT model provides, duck-typed."""
-    current: Any = model
-    while not isinstance(current, PreTrainedModel) and isinstance(getattr(current, "module", None), torch.nn.Module):
-        current = current.module
-    return current
 
 
 def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: torch.device | str | None = None) -> str:

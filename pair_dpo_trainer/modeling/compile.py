@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.modeling.attention import unwrap_model
+from pair_dpo_trainer.errors import ConfigError, Problem
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")
 """``torch_compile_mode`` values without CUDA graphs (None is "default")."""
@@ -48,8 +48,33 @@ def compile_mode_problem(mode: str | None) -> str | None:
         f"torch_compile_mode={mode!r} uses CUDA graphs, which need static shapes; packed rows change length every "
         "micro-batch, and even with pad_to_budget (one row length) the decoder layers are compiled one by one, so "
         "each layer's output is the next call's input of the same graph, which CUDA graph trees overwrite (PyTorch "
-        f"issue 152887): use one of {list(COMPILE_MODES)} or leave it unset."
+        f"pytorch/pytorch#152887): use one of {list(COMPILE_MODES)} or leave it unset."
     )
+
+
+def compile_problems(*, torch_compile: bool, zero3: bool, attn_backend: str) -> list[Problem]:
+    """``torch_compile=True`` with ZeRO-3 (its parameter hooks cannot be traced) or the host-synced SDPA kernel."""
+    if not torch_compile:
+        return []
+    problems: list[Problem] = []
+    if zero3:
+        problems.append(
+            (
+                "unsupported_combination",
+                "torch_compile=True is not supported with DeepSpeed ZeRO-3 (its per-module parameter hooks cannot be "
+                "traced inside a compiled layer): set torch_compile=False, or use a single GPU, DDP or ZeRO-1/2.",
+            )
+        )
+    if attn_backend == "sdpa_segments":
+        problems.append(
+            (
+                "unsupported_combination",
+                "torch_compile=True needs a varlen attention kernel (attn_backend 'torch_varlen' or 'flash_attn': a "
+                "CUDA device with bf16/fp16); 'sdpa_segments' reads the segment bounds on the host, which splits every "
+                "compiled layer into pieces that recompile as the packed rows change: set torch_compile=False here.",
+            )
+        )
+    return problems
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

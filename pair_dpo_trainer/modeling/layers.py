@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pair_dpo_trainer.modeling.attention import unwrap_model
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 
 def find_decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:

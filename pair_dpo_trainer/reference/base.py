@@ -3,7 +3,7 @@
 A reference maps a packed micro-batch to per-sequence log-probs ``[2n]`` float32, without gradients. This module
 holds the protocol and the in-process references (``FrozenReference`` also serves FSDP2, sharded or replicated:
 :mod:`~pair_dpo_trainer.reference.fsdp`); the others are classes with the same ``sequence_logps(batch)``:
-:class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (an inference-only DeepSpeed engine) and
+:class:`~pair_dpo_trainer.reference.deepspeed.DeepSpeedReference` (an inference-only DeepSpeed engine) and
 :class:`~pair_dpo_trainer.reference.precompute.PrecomputedReference` (log-probs carried by the batch).
 """
 
@@ -18,11 +18,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import packed_sequence_logps
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 
 NamedParameters = Iterable[tuple[str, "torch.Tensor | Callable[[], torch.Tensor]"]]
 """``(name, tensor)`` pairs of a reference's weights, or ``(name, gather)`` where a sharded value is gathered on call
-(:func:`~pair_dpo_trainer.reference.engine.gathered_named_parameters`)."""
+(:func:`~pair_dpo_trainer.reference.deepspeed.gathered_named_parameters`)."""
 
 
 class Reference(Protocol):
@@ -88,8 +88,8 @@ class FrozenReference:
 
     def identity_parameters(self) -> NamedParameters | None:
         """The parameters covered by the reference identity's parameter digest (FSDP2 shards gathered one at a time,
-        see :func:`~pair_dpo_trainer.reference.engine.gathered_named_parameters`)."""
-        from pair_dpo_trainer.reference.engine import gathered_named_parameters
+        see :func:`~pair_dpo_trainer.reference.deepspeed.gathered_named_parameters`)."""
+        from pair_dpo_trainer.parallel.gather import gathered_named_parameters
 
         return gathered_named_parameters(_built(self.model))
 

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from transformers import PreTrainedModel
 
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
 from pair_dpo_trainer.reference.source import ReferenceSource
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 
 def build_reference(
@@ -29,7 +28,7 @@ def build_reference(
     Modes: ``reference_free`` or only reference-free objectives -> :class:`NoReference`; otherwise the reference
     model is ``ref_model`` when given,
     else loaded from ``source.directory`` (verified when pinned), else a copy of the in-memory policy; it runs as a
-    :class:`~pair_dpo_trainer.reference.engine.DeepSpeedReference` (its own inference-only engine) when DeepSpeed is
+    :class:`~pair_dpo_trainer.reference.deepspeed.DeepSpeedReference` (its own inference-only engine) when DeepSpeed is
     enabled, as an FSDP2-sharded or replicated :class:`FrozenReference` under FSDP2
     (:mod:`~pair_dpo_trainer.reference.fsdp`), else as a :class:`FrozenReference` on ``args.device``.
 
@@ -40,9 +39,11 @@ def build_reference(
             None for reference-free runs.
         ref_model: An explicit reference model, if the user passed one.
         deepspeed_config: The run's DeepSpeed configuration when DeepSpeed is enabled.
-        fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (``modeling.fsdp2.setup_fsdp2``).
+        fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (``parallel.fsdp2.setup_fsdp2``).
     """
-    if not args.uses_reference:  # reference_free=True, or only reference-free objectives (simpo, orpo, sft)
+    if not uses_reference(
+        args.loss_type, reference_free=args.reference_free
+    ):  # reference_free=True, or only reference-free objectives (simpo, orpo, sft)
         return NoReference()  # a ref_model passed anyway is refused by run_checks.reference_problems
     from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
 
@@ -76,7 +77,7 @@ def _deepspeed_reference(
     The hidden-size dependent tuning values come from the reference's config (the policy's for a reference loaded
     from a directory, which shares the policy's architecture).
     """
-    from pair_dpo_trainer.reference.engine import (
+    from pair_dpo_trainer.reference.deepspeed import (
         build_deepspeed_reference,
         hidden_size_of,
         reference_ds_config,

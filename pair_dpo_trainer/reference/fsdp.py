@@ -1,6 +1,6 @@
 """The reference under FSDP2: sharded with ``fully_shard`` as an inference-only module, or replicated.
 
-Under an FSDP2 policy (``modeling.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
+Under an FSDP2 policy (``parallel.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
 ``accelerator.prepare`` takes one model). It is built here, in one of two layouts (``PairDPOConfig.ref_fsdp_shard``):
 
 - **Sharded** (default, ``None`` or ``True``): its parameters cast to the policy's FSDP2 compute dtype
@@ -20,7 +20,7 @@ Under an FSDP2 policy (``modeling.fsdp2``) the frozen reference is never given t
 Both layouts compute the same log-probs (the same dtype, the same kernels) and have the same identity: the
 parameter digest hashes each parameter's full value, gathered one parameter at a time with
 ``DTensor.full_tensor()`` (a collective, in sorted-name order on every rank: never the whole model on one rank;
-:func:`~pair_dpo_trainer.reference.engine.gathered_named_parameters`), so a checkpoint written with one layout
+:func:`~pair_dpo_trainer.reference.deepspeed.gathered_named_parameters`), so a checkpoint written with one layout
 resumes with the other, and a precompute cache is shared by both.
 
 With ``torch_compile`` the reference's decoder layers are compiled in place *before* ``fully_shard`` (the order
@@ -30,18 +30,17 @@ Accelerate uses for the policy, ``compile_regions_fsdp2``), so FSDP's hooks stay
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-from pair_dpo_trainer.modeling.fsdp2 import compute_dtype, offloads_params
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
+from pair_dpo_trainer.parallel.fsdp2 import compute_dtype, offloads_params
 from pair_dpo_trainer.reference.base import FrozenReference
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +53,9 @@ def fsdp_reference_problems(args: PairDPOConfig, *, fsdp: bool, peft_reference: 
         fsdp: Whether the policy runs under FSDP2.
         peft_reference: Whether the reference is the PEFT policy with its adapters disabled.
     """
-    if not args.uses_reference and args.ref_fsdp_shard is not None:  # reference_free or reference-free objectives
+    if (
+        not uses_reference(args.loss_type, reference_free=args.reference_free) and args.ref_fsdp_shard is not None
+    ):  # reference_free or reference-free objectives
         return [("unsupported_combination", "this run builds no reference (reference-free): remove ref_fsdp_shard.")]
     if not fsdp:
         if args.ref_fsdp_shard is None:

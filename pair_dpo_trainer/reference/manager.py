@@ -18,7 +18,7 @@ restores anything from a checkpoint on every path (without DeepSpeed ``Trainer.t
 before ``_inner_training_loop``; with DeepSpeed ``_prepare_for_training`` loads the engine state right after
 ``accelerator.prepare``), so the identity is checked before any state is restored and before any step. The only
 DeepSpeed values that ``deepspeed_init`` resolves late are the three hidden-size ZeRO-3 tuning values, which
-:func:`~pair_dpo_trainer.reference.engine.reference_ds_config` resolves itself; and a precompute pass run there has
+:func:`~pair_dpo_trainer.reference.deepspeed.reference_ds_config` resolves itself; and a precompute pass run there has
 the accelerator to itself (no policy engine, no optimizer state yet).
 """
 
@@ -28,16 +28,18 @@ import dataclasses
 import logging
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
 
+from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
+from pair_dpo_trainer.losses.registry import uses_reference
+from pair_dpo_trainer.parallel.gather import gathered_named_parameters
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.build import build_reference
-from pair_dpo_trainer.reference.engine import gathered_named_parameters
 from pair_dpo_trainer.reference.gate import check_resume_identity, compute_identity
 from pair_dpo_trainer.reference.precompute import (
     CacheEntry,
@@ -51,9 +53,6 @@ from pair_dpo_trainer.reference.precompute import (
     write_cache,
 )
 from pair_dpo_trainer.reference.source import ReferenceSource
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +73,7 @@ class ReferenceManager:
     Attributes:
         builds: How many times a reference model was built (0 after a precompute cache hit).
 
-    The option combinations are checked before (``run_checks.run_problems``, the trainer's one runtime check).
+    The option combinations are checked before (``training.checks.run_problems``, the trainer's one runtime check).
     """
 
     def __init__(
@@ -103,7 +102,7 @@ class ReferenceManager:
         self._key_reference: dict[str, Any] | None = None
         self._synced_step: int | None = None  # TR-DPO: step of the last sync (None: the reference is the snapshot)
         lazy = deepspeed_config is not None or args.precompute_ref_log_probs
-        if not args.uses_reference or not lazy:
+        if not uses_reference(args.loss_type, reference_free=args.reference_free) or not lazy:
             self._build()
         if args.precompute_ref_log_probs:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
@@ -124,6 +123,13 @@ class ReferenceManager:
                 "one of them before running the reference.",
             )
         return self._reference
+
+    @property
+    def runs_reference_forward(self) -> bool:
+        """Whether each training micro-batch runs a reference forward (a reference that is neither absent nor
+        precomputed)."""
+        uses = uses_reference(self.args.loss_type, reference_free=self.args.reference_free)
+        return uses and not self.args.precompute_ref_log_probs
 
     @property
     def reference_if_built(self) -> Reference | None:
@@ -148,7 +154,7 @@ class ReferenceManager:
             SnapshotIntegrityError: ``identity_missing`` / ``reference_changed`` (see ``check_resume_identity``),
                 before any pass over the data.
         """
-        if not self.args.uses_reference:
+        if not uses_reference(self.args.loss_type, reference_free=self.args.reference_free):
             return
         if self.args.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
@@ -283,7 +289,7 @@ class ReferenceManager:
         pending = {name: ds for name, ds in datasets.items() if ds is not None and id(ds) not in self._logps}
         if not pending:
             return
-        from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
+        from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
 
         keys = {name: self._key(ds) for name, ds in pending.items()}
         assert_ranks_agree("reference log-prob cache keys", repr([cache_path("", key).name for key in keys.values()]))
@@ -329,7 +335,7 @@ def _precision(
     """The reference's compute precision as recorded in the cache key, e.g. ``"deepspeed:bfloat16"``,
     ``"fsdp2:bfloat16"`` (the same for a sharded and a replicated FSDP2 reference)."""
     if fsdp_plugin is not None:
-        from pair_dpo_trainer.modeling.fsdp2 import compute_dtype
+        from pair_dpo_trainer.parallel.fsdp2 import compute_dtype
 
         return "fsdp2:" + str(compute_dtype(fsdp_plugin) or policy.dtype).removeprefix("torch.")
     if deepspeed_config is not None:

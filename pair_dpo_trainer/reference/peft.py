@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch
-from pair_dpo_trainer.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
-from pair_dpo_trainer.modeling.attention import unwrap_model
+from pair_dpo_trainer.modeling.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 
 def is_peft_model(model: Any) -> bool:
@@ -69,8 +69,8 @@ class AdapterDisabledReference:
 
     def identity_parameters(self) -> Iterator[tuple[str, Any]]:
         """The base-model parameters the reference identity's parameter digest covers (adapter weights excluded;
-        FSDP2 shards gathered one at a time, see ``reference.engine.gathered_named_parameters``)."""
-        from pair_dpo_trainer.reference.engine import gathered_named_parameters
+        FSDP2 shards gathered one at a time, see ``reference.deepspeed.gathered_named_parameters``)."""
+        from pair_dpo_trainer.parallel.gather import gathered_named_parameters
 
         prefix = getattr(self.policy.base_model, "prefix", None)  # the tuner's parameter prefix, e.g. "lora_"
         for name, param in gathered_named_parameters(self.policy):

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,15 +35,13 @@ from torch.utils.data import DataLoader
 
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator, pair_rows
+from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array
-from pair_dpo_trainer.distributed import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.logprobs import with_length_desensitization
+from pair_dpo_trainer.modeling.logprobs import with_length_desensitization
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +147,7 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOCo
         args: The run's ``PairDPOConfig``.
         precision: The reference's compute precision (e.g. ``"float32|no"``).
     """
-    from pair_dpo_trainer import __version__
+    from pair_dpo_trainer.version import __version__
 
     key = {
         "format": CACHE_FORMAT,

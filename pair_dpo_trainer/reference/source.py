@@ -16,16 +16,15 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import VerifiedSnapshot
 from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
+from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.paths import require_model_directory
-from pair_dpo_trainer.node import Node
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.parallel.node import Node
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +72,9 @@ def resolve_reference_source(
             ``unsupported_combination`` (a ``ref_model`` object cannot be verified against a revision).
         SnapshotIntegrityError: The directory does not verify (reason codes of ``verify_snapshot``).
     """
-    if not args.uses_reference:  # reference_free=True, or only reference-free objectives
+    if not uses_reference(
+        args.loss_type, reference_free=args.reference_free
+    ):  # reference_free=True, or only reference-free objectives
         return None
     if args.ref_model_revision is None:
         return _unpinned(args, policy_dir, ref_model_given)

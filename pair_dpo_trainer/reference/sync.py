@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from pair_dpo_trainer.errors import ConfigError, SnapshotIntegrityError
-from pair_dpo_trainer.modeling.attention import unwrap_model
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 SYNCED_REFERENCE_FILENAME = "pair_dpo_synced_reference.safetensors"
 

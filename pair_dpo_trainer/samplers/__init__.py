@@ -14,7 +14,7 @@ from pair_dpo_trainer.samplers.planner import (
     plan_epoch,
     plan_epoch_array,
 )
-from pair_dpo_trainer.samplers.sampler import PairBatchSampler, PairStepSampler, train_sampler
+from pair_dpo_trainer.samplers.sampler import PairBatchSampler, PairStepSampler
 
 __all__ = [
     "EpochPlan",
@@ -24,5 +24,4 @@ __all__ = [
     "microbatch_sizes",
     "plan_epoch",
     "plan_epoch_array",
-    "train_sampler",
 ]

@@ -16,16 +16,13 @@ agree.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler
 
 from pair_dpo_trainer.errors import ScheduleError
 from pair_dpo_trainer.samplers.planner import EpochPlan, is_integer, plan_epoch_array
-
-if TYPE_CHECKING:
-    from pair_dpo_trainer.config import PairDPOConfig
 
 __all__ = ["PairBatchSampler", "PairStepSampler"]
 
@@ -215,22 +212,3 @@ class PairStepSampler(_PlannedSampler):
     def __iter__(self) -> Iterator[list[list[int]]]:
         """Yields this rank's steps of the current epoch, from the start step (then reset to 0)."""
         return ([list(microbatch) for microbatch in step] for step in self._steps_to_run())
-
-
-def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler | PairStepSampler:
-    """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
-    them), or whole steps when ``max_tokens_per_microbatch`` is set.
-
-    Args:
-        costs: ``[N]`` pair costs of the train dataset.
-        args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
-    """
-    layout = {
-        "world_size": args.world_size,
-        "rank": args.process_index,
-        "pairs_per_rank": args.pairs_per_rank_per_step,
-        "seed": args.data_seed if args.data_seed is not None else args.seed,
-    }
-    if args.max_tokens_per_microbatch is None:
-        return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
-    return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)

@@ -1,0 +1,93 @@
+"""``pair-dpo prepare-data``: the command line of :mod:`pair_dpo_trainer.data.prepare`.
+
+``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``.
+Errors print one message on stderr and return exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pair_dpo_trainer.data.prepare import UsageError, prepare, rejection_counts
+from pair_dpo_trainer.data.readers import InputError
+from pair_dpo_trainer.data.workers import MAX_NUM_PROC
+from pair_dpo_trainer.errors import PairDPOError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Registers the ``prepare-data`` arguments on ``parser``."""
+    parser.add_argument("inputs", nargs="+", metavar="INPUT", help="jsonl / json / parquet files of preference rows.")
+    parser.add_argument("--output", required=True, metavar="DIR", help="Output directory (created atomically).")
+    parser.add_argument(
+        "--tokenizer",
+        required=True,
+        metavar="PATH",
+        help="Local tokenizer directory; without a chat template, plain-string rows are tokenised by concatenation.",
+    )
+    parser.add_argument("--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1).")
+    parser.add_argument("--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0).")
+    parser.add_argument("--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection.")
+    parser.add_argument(
+        "--max-length",
+        type=int,
+        default=1024,
+        metavar="L",
+        help="Maximum tokens of prompt + one completion (default 1024).",
+    )
+    parser.add_argument(
+        "--max-prompt-length",
+        type=int,
+        default=512,
+        metavar="P",
+        help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
+    )
+    parser.add_argument(
+        "--max-tokens-per-microbatch",
+        type=int,
+        default=None,
+        metavar="T",
+        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
+        "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
+    )
+    parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
+    parser.add_argument(
+        "--num-proc",
+        type=int,
+        default=None,
+        metavar="W",
+        help=f"Worker processes that tokenise (default: the usable cores, at most {MAX_NUM_PROC}); the outputs are "
+        "byte-identical for any W.",
+    )
+    parser.add_argument(
+        "--disable-tqdm", action="store_true", help="Show no progress bar (default: one per input file, on stderr)."
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace an existing DIR that holds only a previous prepare-data output.",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs ``prepare-data``; returns 0 on success, 2 (with a message on stderr) on a usage or input error."""
+    try:
+        report = prepare(args)
+    except (UsageError, InputError, PairDPOError) as exc:
+        print(f"pair-dpo prepare-data: error: {exc}", file=sys.stderr)
+        return 2
+    tally = report.tally
+    print(
+        f"read {tally.num_rows} rows from {report.num_inputs} input(s); accepted {tally.num_accepted}; "
+        f"rejected {sum(tally.rejections.values())}{rejection_counts(tally.rejections)}"
+    )
+    for code in sorted(tally.examples):
+        print(f"  e.g. [{code}] {tally.examples[code]}")
+    print(f"wrote {report.num_train} train + {report.num_eval} eval pairs to {args.output}")
+    if not args.disable_tqdm:
+        print(
+            f"tokenised {report.rate} on {report.workers} worker(s); split in {report.split_seconds:.2f} s; "
+            f"wrote the splits in {report.write_seconds:.2f} s",
+            file=sys.stderr,
+        )
+    return 0

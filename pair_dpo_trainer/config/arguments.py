@@ -1,0 +1,499 @@
+"""``PairDPOConfig``: every option of pair DPO as a plain ``TrainingArguments`` field.
+
+Batch semantics (in pairs): one optimizer step takes ``per_device_train_batch_size * gradient_accumulation_steps``
+pairs on every data-parallel rank, split into ``gradient_accumulation_steps`` packed micro-batches, or, with
+``max_tokens_per_microbatch`` (and ``gradient_accumulation_steps=1``), packed into as many micro-batches of at most that
+many tokens as the busiest rank of the step needs, the same count on every rank.
+
+``__post_init__`` checks each option's own range and the combinations of options among themselves, collects every
+problem and raises one :class:`~pair_dpo_trainer.errors.ConfigError`. What needs a feature's knowledge (objective
+names, attention kernels, compile modes, ZeRO-3 module names, reference modes) is checked by that feature and
+collected once at trainer start (:func:`pair_dpo_trainer.training.checks.check_config`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import TrainingArguments
+
+from pair_dpo_trainer.config.launch import launch_problem, resolve_bf16, resolve_use_cpu
+from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
+from pair_dpo_trainer.errors import ConfigError, Problem, raise_problems
+
+DEFAULT_MAX_PROMPT_LENGTH = 512
+ATTN_AUTO = "auto"
+REF_ZERO_STAGES = (0, 3)
+"""``ref_zero_stage`` values besides None: 0 replicates the reference, 3 shards it like a ZeRO-3 policy."""
+
+
+def default_max_prompt_length(max_length: int) -> int:
+    """``max_prompt_length`` when unset: 512 (prepare-data's default) if that leaves room for a completion, else half
+    of ``max_length`` (a TRL user sets only ``max_length``, e.g. 128)."""
+    return DEFAULT_MAX_PROMPT_LENGTH if max_length > DEFAULT_MAX_PROMPT_LENGTH else max_length // 2
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _as_float(value: Any) -> float:
+    """A loss weight as a float (NaN when it is not a number, which the weight check reports)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def normalize_loss_fields(loss_type: Any, loss_weights: Any) -> tuple[list[str], list[float] | None]:
+    """``loss_type`` and ``loss_weights`` as lists, as TRL 1.16 stores them.
+
+    A single string is one objective (TRL) or a comma-separated list (``"sigmoid,bco_pair,sft"``); flags give a list
+    (``--loss_type sigmoid bco_pair sft --loss_weights 0.8 0.2 1.0``), YAML/JSON a list.
+
+    Example:
+        >>> normalize_loss_fields("sigmoid, sft", "0.5,1")
+        (['sigmoid', 'sft'], [0.5, 1.0])
+    """
+    types = _split(loss_type) if isinstance(loss_type, str) else [str(name) for name in loss_type]
+    if loss_weights is None:
+        return types, None
+    weights = _split(loss_weights) if isinstance(loss_weights, str) else list(loss_weights)
+    return types, [_as_float(weight) for weight in weights]
+
+
+def ref_zero_stage_problem(stage: Any) -> str | None:
+    """Why ``ref_zero_stage=stage`` is not a valid value (None, or the int 0 or 3), or None when it is."""
+    if stage is None or (isinstance(stage, int) and not isinstance(stage, bool) and stage in REF_ZERO_STAGES):
+        return None
+    return f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3."
+
+
+def _is_count(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass
+class PairDPOConfig(TrainingArguments):
+    """Training arguments for :class:`~pair_dpo_trainer.PairDPOTrainer` (a ``TrainingArguments`` subclass).
+
+    Example:
+        >>> config = PairDPOConfig(output_dir="out", beta=0.1, loss_type="sigmoid,sft")
+        >>> config.loss_type, config.pairs_per_rank_per_step
+        (['sigmoid', 'sft'], 8)
+    """
+
+    beta: float = field(
+        default=0.1, metadata={"help": "DPO temperature beta (> 0): strength of the pull towards the reference."}
+    )
+    loss_type: list[str] | str = field(
+        default_factory=lambda: ["sigmoid"],
+        metadata={
+            "help": "Preference objective(s) (docs/losses.md lists every name); several (a list, several flag values, "
+            "or a comma-separated string) are summed with loss_weights, e.g. MPO: sigmoid bco_pair sft."
+        },
+    )
+    loss_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "One weight >= 0 per loss_type entry (e.g. 0.8 0.2 1.0 for MPO). None: all 1.0."},
+    )
+    label_smoothing: float = field(
+        default=0.0,
+        metadata={
+            "help": "In [0, 0.5): the assumed label-noise rate of 'sigmoid' (cDPO), 'robust' (rDPO), 'aot', "
+            "'aot_unpaired' and 'simpo'; EXO's epsilon for 'exo_pair' (required > 0, the paper uses 1e-3)."
+        },
+    )
+    nll_weight: float = field(
+        default=1.0, metadata={"help": "Weight of the chosen-completion NLL term of loss_type 'sigmoid_nll' (RPO)."}
+    )
+    use_weighting: bool = field(
+        default=False,
+        metadata={"help": "WPO: weight every pair by the policy's length-normalised (aligned) sequence probabilities."},
+    )
+    ld_alpha: float | None = field(
+        default=None,
+        metadata={
+            "help": "LD-DPO alpha in [0, 1]: weight of the log-probs of the longer completion's tokens beyond the "
+            "length both completions share (policy and reference). None (or 1.0): plain sums."
+        },
+    )
+    f_divergence_type: str = field(
+        default="reverse_kl",
+        metadata={
+            "help": "f-DPO divergence: reverse_kl, forward_kl, js_divergence or alpha_divergence; a non-default "
+            "value only for objectives on "
+            "the chosen-rejected reward difference (see docs/losses.md)."
+        },
+    )
+    f_alpha_divergence_coef: float = field(
+        default=0.5, metadata={"help": "Coefficient of f_divergence_type 'alpha_divergence' (TRL's parameterisation)."}
+    )
+    discopop_tau: float = field(default=0.05, metadata={"help": "DiscoPOP temperature tau (> 0) of 'discopop'."})
+    simpo_gamma: float = field(default=0.5, metadata={"help": "SimPO target reward margin gamma of 'simpo'."})
+    sync_ref_model: bool = field(
+        default=False,
+        metadata={
+            "help": "TR-DPO: every ref_model_sync_steps optimizer steps the reference becomes "
+            "ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * reference."
+        },
+    )
+    ref_model_mixup_alpha: float = field(
+        default=0.6, metadata={"help": "TR-DPO mixing weight alpha in (0, 1] of the policy (sync_ref_model)."}
+    )
+    ref_model_sync_steps: int = field(
+        default=512, metadata={"help": "TR-DPO: optimizer steps between reference updates (>= 1, sync_ref_model)."}
+    )
+    reference_free: bool = field(
+        default=False,
+        metadata={"help": "Use an implicit uniform reference (reference log-probs = 0): no reference model is built."},
+    )
+    ref_model_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "Local directory of the reference model. Default: the policy's own directory."},
+    )
+    ref_model_revision: str | None = field(
+        default=None, metadata={"help": "Pinned 40-hex commit of the reference snapshot (default: the policy's)."}
+    )
+    ref_model_repo_id: str | None = field(
+        default=None, metadata={"help": "Hub repository id of the reference, recorded in its identity (optional)."}
+    )
+    allow_unpinned_reference: bool = field(
+        default=False,
+        metadata={
+            "help": "Accept a reference that is not verified against a pinned ref_model_revision (logs a warning "
+            "and records pinned=false)."
+        },
+    )
+    allow_pickle_weights: bool = field(
+        default=False, metadata={"help": "Accept pickle (.bin) reference weights when there are no safetensors."}
+    )
+    verify_threads: int | None = field(
+        default=None, metadata={"help": "Threads hashing the reference snapshot (None: one per core)."}
+    )
+    max_length: int = field(
+        default=1024, metadata={"help": "Maximum tokens of one sequence (prompt + one completion)."}
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={
+            "help": "Maximum prompt tokens; longer prompts keep their end (left truncation). None: 512 (prepare-data's "
+            "default), or max_length // 2 when max_length <= 512, so setting only max_length (TRL has no prompt "
+            "limit) stays valid."
+        },
+    )
+    max_tokens_per_microbatch: int | None = field(
+        default=None,
+        metadata={
+            "help": "Token budget of one packed micro-batch (its row length: 2 x prompt + chosen + rejected summed "
+            "over its pairs). Set: per_device_train_batch_size is the pairs per GPU per optimizer step, "
+            "gradient_accumulation_steps must be 1, and each step's pairs are packed into as many micro-batches of "
+            "<= this many tokens as the busiest rank needs (the same count on every rank); eval micro-batches keep "
+            "to it too; a longer pair is rejected ('pair_too_long'). None: exactly gradient_accumulation_steps "
+            "micro-batches per step, sized by pair count."
+        },
+    )
+    pad_to_budget: bool = field(
+        default=False,
+        metadata={
+            "help": "With max_tokens_per_microbatch: pad every packed row to exactly that many tokens with a "
+            "zero-weight filler segment, so every micro-batch has one shape (for torch_compile and the allocator; "
+            "costs the padded tokens' compute)."
+        },
+    )
+    attn_backend: str = field(
+        default="auto",
+        metadata={
+            "help": "Attention for packed rows: auto, flash_attn, torch_varlen or sdpa_segments; 'auto' picks "
+            "flash_attn, then torch_varlen (CUDA), then sdpa_segments."
+        },
+    )
+    logps_chunk_size: int = field(
+        default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
+    )
+    precompute_ref_log_probs: bool = field(
+        default=False,
+        metadata={
+            "help": "Compute the reference log-probs of every train/eval pair in one pass before training, cache them "
+            "(ref_logps_cache_dir) and free the reference, so training holds one model. A later run or a resume "
+            "with the same dataset, reference and truncation reuses the cache without building the reference."
+        },
+    )
+    ref_logps_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the precomputed reference log-prob cache (default: <output_dir>/ref_logps_cache)."
+        },
+    )
+    ref_offload_params: bool | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSpeed ZeRO-3 or FSDP2 only: keep the sharded reference's parameters in CPU memory (True) or "
+            "on the accelerator (False). None: the same setting as the policy (offload_param / fsdp_offload_params)."
+        },
+    )
+    ref_zero_stage: int | None = field(
+        default=None,
+        metadata={
+            "help": "DeepSpeed only: ZeRO stage of the reference engine. None: 3 under a ZeRO-3 policy (sharded like "
+            "the policy), else 0 (replicated). 0: replicate the reference on every rank even under a ZeRO-3 policy "
+            "(no per-layer parameter gathers in its forward; needs the reference's weights in the compute dtype on "
+            "every GPU). 3: shard it (only with a ZeRO-3 policy)."
+        },
+    )
+    zero3_leaf_modules: str = field(
+        default="auto",
+        metadata={
+            "help": "DeepSpeed ZeRO-3 only: modules whose parameters are gathered as one unit (DeepSpeed leaf modules: "
+            "no hooks inside them). 'auto': every repeated decoder layer of the policy and of a ZeRO-3 reference "
+            "(a few hooks per layer instead of one per Linear/norm: far less host time per step; a whole layer "
+            "is gathered at a time); none for a PEFT policy. 'none': DeepSpeed's per-submodule hooks. Or "
+            "comma-separated class names (not with PEFT)."
+        },
+    )
+    dataset_num_proc: int | None = field(
+        default=None,
+        metadata={
+            "help": "Worker processes that tokenise (or truncate) the datasets, on each node's local main process "
+            "while the node's other ranks wait and then memory-map the result (TRL's name). None: the usable cores "
+            "(os.sched_getaffinity), at most 32. The tokenised pairs are identical for any value."
+        },
+    )
+    dataset_cache_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Directory of the tokenised-pairs cache (Arrow files keyed by the rows, the tokenizer and the "
+            "limits, reused by later runs; safe to delete when no run uses it). None: "
+            "$HF_DATASETS_CACHE/pair_dpo_trainer/pairs."
+        },
+    )
+    ref_fsdp_shard: bool | None = field(
+        default=None,
+        metadata={
+            "help": "FSDP2 only: shard the frozen reference with fully_shard per decoder layer (True; inference-only: "
+            "no gradients, no optimizer state) or replicate it on every rank in the compute dtype (False: no "
+            "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
+        },
+    )
+    allow_resume_data_mismatch: bool = field(
+        default=False,
+        metadata={
+            "help": "Resume even when the checkpoint was trained on another schedule (dataset pair lengths, seed, "
+            "batch layout): the resumed step then indexes this run's schedule (logged). Default: refuse with "
+            "'resume_data_mismatch'."
+        },
+    )
+    # TrainingArguments defaults that pair DPO changes (each for a stated reason):
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep the pair columns: the pair collator needs them (default False)."}
+    )
+    logging_nan_inf_filter: bool = field(
+        default=False,
+        metadata={
+            "help": "HF's filter reads the loss on the host every micro-batch (a GPU sync); pair DPO checks "
+            "finiteness on the device instead, so it is off by default."
+        },
+    )
+    ddp_find_unused_parameters: bool | None = field(
+        default=False, metadata={"help": "Every parameter gets a gradient in DPO; searching for unused ones is waste."}
+    )
+    # DPO defaults as TRL's DPOConfig sets them (docs/guide.md, "Defaults that differ from TrainingArguments"):
+    learning_rate: float = field(
+        default=1e-6,
+        metadata={
+            "help": "Initial AdamW learning rate (1e-6; TrainingArguments' 5e-5 wrecks a pretrained model in DPO)."
+        },
+    )
+    logging_steps: float = field(
+        default=10,
+        metadata={"help": "Log every N optimizer steps (or a ratio of the total steps if < 1); default 10."},
+    )
+    bf16: bool | None = field(  # type: ignore[assignment]  # None: config.launch.resolve_bf16 decides in __post_init__
+        default=None,
+        metadata={
+            "help": "bf16 mixed precision. Unset: on when an accelerator with bf16 support is used and neither fp16, "
+            "use_cpu nor an accelerate config's fp16/fp8 mixed precision is set; off on CPU."
+        },
+    )
+
+    def __new__(cls, *args, **kwargs):
+        """Rejects TRL's (and our old) option names with their equivalents before the dataclass ``__init__`` would
+        raise ``TypeError: unexpected keyword argument`` (see :mod:`pair_dpo_trainer.config.trl_names`)."""
+        reject_unsupported_options(kwargs, where=cls.__name__, known=config_field_names(cls))
+        return super().__new__(cls)
+
+    def __post_init__(self) -> None:
+        self.loss_type, self.loss_weights = normalize_loss_fields(self.loss_type, self.loss_weights)
+        if self.max_prompt_length is None and isinstance(self.max_length, int):
+            self.max_prompt_length = default_max_prompt_length(self.max_length)
+        raise_problems(self.option_problems(), what="PairDPOConfig")  # every problem, raised once
+        self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
+        self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
+        super().__post_init__()
+        launch = launch_problem(self.world_size, os.environ)
+        if launch is not None:
+            raise ConfigError("launch_not_one_job", launch)
+
+    def option_problems(self) -> list[Problem]:
+        """``(reason_code, message)`` for every option out of its own range or in conflict with another option."""
+        return [
+            *self._objective_value_problems(),
+            *self._loss_weight_problems(),
+            *self._reference_layout_problems(),
+            *self._length_problems(),
+            *self._budget_problems(),
+            *self._data_problems(),
+        ]
+
+    def _objective_value_problems(self) -> list[Problem]:
+        """The objectives' scalar hyper-parameters (which objective reads which: ``losses.checks``)."""
+        problems: list[Problem] = []
+        beta = self.beta
+        if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
+            problems.append(("bad_beta", f"beta={beta!r}: set a finite value > 0 (typical: 0.1)."))
+        if not 0.0 <= self.label_smoothing < 0.5:
+            problems.append(
+                ("bad_label_smoothing", f"label_smoothing={self.label_smoothing!r}: set a value in [0, 0.5).")
+            )
+        if not (math.isfinite(self.nll_weight) and self.nll_weight >= 0):
+            problems.append(("bad_nll_weight", f"nll_weight={self.nll_weight!r}: set a finite value >= 0."))
+        ld_alpha = self.ld_alpha
+        checks = (
+            (ld_alpha is None or 0.0 <= ld_alpha <= 1.0, f"ld_alpha={ld_alpha!r}: set a value in [0, 1], or None."),
+            (math.isfinite(self.f_alpha_divergence_coef), "f_alpha_divergence_coef: set a finite value."),
+            (math.isfinite(self.discopop_tau) and self.discopop_tau > 0, "discopop_tau: set a finite value > 0."),
+            (math.isfinite(self.simpo_gamma), "simpo_gamma: set a finite value."),
+            (0.0 < self.ref_model_mixup_alpha <= 1.0, "ref_model_mixup_alpha: set a value in (0, 1]."),
+            (_is_count(self.ref_model_sync_steps, 1), "ref_model_sync_steps: set an integer >= 1."),
+        )
+        problems.extend(("bad_loss_option", text) for ok, text in checks if not ok)
+        if self.sync_ref_model and self.precompute_ref_log_probs:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "sync_ref_model=True changes the reference during training, so its log-probs cannot be "
+                    "precomputed: set precompute_ref_log_probs=False.",
+                )
+            )
+        if str(self.include_num_input_tokens_seen).lower() not in ("no", "false"):
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "include_num_input_tokens_seen: pair DPO logs num_tokens itself; leave it at 'no'.",
+                )
+            )
+        return problems
+
+    def _loss_weight_problems(self) -> list[Problem]:
+        """One finite weight >= 0 per ``loss_type`` entry, not all 0."""
+        weights: Sequence[float] | None = self.loss_weights
+        if weights is None or (
+            len(weights) == len(self.loss_type)
+            and all(math.isfinite(w) and w >= 0 for w in weights)
+            and any(w > 0 for w in weights)
+        ):
+            return []
+        message = (
+            f"loss_weights={list(weights)!r}: give one finite weight >= 0 per loss_type entry ({len(self.loss_type)} "
+            f"for {list(self.loss_type)}), not all 0; or leave it unset (all 1.0)."
+        )
+        return [("bad_loss_weights", message)]
+
+    def _reference_layout_problems(self) -> list[Problem]:
+        """``ref_zero_stage``, ``ref_fsdp_shard`` and ``ref_offload_params`` among themselves (what the run's
+        DeepSpeed configuration or FSDP2 plugin allows is checked at trainer start, ``training.checks``)."""
+        problems: list[Problem] = []
+        stage_problem = ref_zero_stage_problem(self.ref_zero_stage)
+        if stage_problem is not None:
+            problems.append(("bad_ref_zero_stage", stage_problem))
+        if self.ref_zero_stage == 0 and self.ref_offload_params:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "ref_zero_stage=0 replicates the reference on every accelerator, but ref_offload_params=True "
+                    "offloads the parameters of a sharded (ZeRO-3) reference: set ref_zero_stage=3 (or leave it "
+                    "unset) to offload, or ref_offload_params=False / unset to replicate.",
+                )
+            )
+        shard = self.ref_fsdp_shard
+        if shard is not None and not isinstance(shard, bool):
+            problems.append(
+                ("bad_ref_fsdp_shard", f"ref_fsdp_shard={shard!r}: use None (shard like the policy), True or False.")
+            )
+        elif shard is False and self.ref_offload_params:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "ref_fsdp_shard=False replicates the reference on every accelerator, but ref_offload_params=True "
+                    "offloads the parameters of a sharded reference: set one of them differently.",
+                )
+            )
+        return problems
+
+    def _budget_problems(self) -> list[Problem]:
+        """``max_tokens_per_microbatch`` / ``pad_to_budget``."""
+        budget = self.max_tokens_per_microbatch
+        if budget is None:
+            if self.pad_to_budget:
+                return [
+                    (
+                        "unsupported_combination",
+                        "pad_to_budget=True pads rows to max_tokens_per_microbatch, which is not set: set "
+                        "max_tokens_per_microbatch (e.g. 16384) or pad_to_budget=False.",
+                    )
+                ]
+            return []
+        if not _is_count(budget, 1):
+            return [("bad_length", f"max_tokens_per_microbatch={budget!r}: set a positive integer or None.")]
+        if self.gradient_accumulation_steps != 1:
+            return [
+                (
+                    "unsupported_combination",
+                    f"max_tokens_per_microbatch={budget} sizes the micro-batches by tokens, so their number per step "
+                    "follows from the budget, not from gradient_accumulation_steps="
+                    f"{self.gradient_accumulation_steps}: "
+                    "set gradient_accumulation_steps=1 and per_device_train_batch_size to the pairs per GPU per "
+                    f"optimizer step (here {self.pairs_per_rank_per_step}), or unset max_tokens_per_microbatch.",
+                )
+            ]
+        return []
+
+    def _data_problems(self) -> list[Problem]:
+        """``dataset_num_proc``: None or a positive worker count."""
+        num_proc = self.dataset_num_proc
+        if num_proc is None or _is_count(num_proc, 1):
+            return []
+        message = f"dataset_num_proc={num_proc!r}: set a worker count >= 1, or None (all usable cores)."
+        return [("bad_num_proc", message)]
+
+    def _length_problems(self) -> list[Problem]:
+        problems: list[Problem] = []
+        if self.max_length <= 1:
+            problems.append(("bad_length", f"max_length={self.max_length}: set a value > 1."))
+        if self.max_prompt_length is None or not 0 < self.max_prompt_length < self.max_length:
+            problems.append(
+                (
+                    "bad_length",
+                    f"max_prompt_length={self.max_prompt_length}: set 0 < max_prompt_length < max_length "
+                    f"({self.max_length}) so every completion keeps at least one token.",
+                )
+            )
+        if self.logps_chunk_size <= 0:
+            problems.append(("bad_length", f"logps_chunk_size={self.logps_chunk_size}: set a value > 0."))
+        if self.per_device_train_batch_size < 1:
+            problems.append(("bad_batch_size", "per_device_train_batch_size (pairs per micro-batch) must be >= 1."))
+        return problems
+
+    @property
+    def ref_logps_cache_path(self) -> str:
+        """The directory of the precomputed reference log-prob cache (``ref_logps_cache_dir`` or its default)."""
+        return self.ref_logps_cache_dir or os.path.join(str(self.output_dir), "ref_logps_cache")
+
+    @property
+    def pairs_per_rank_per_step(self) -> int:
+        """Pairs each data-parallel rank processes per optimizer step."""
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps

@@ -1,0 +1,337 @@
+"""Atomic checkpoints: a ``checkpoint-N`` directory appears under its final name only when it is complete.
+
+HF ``Trainer._save_checkpoint`` (the same code in transformers 5.17 and 5.24) writes straight into
+``<output_dir>/checkpoint-N`` and then deletes old checkpoints beyond ``save_total_limit`` with
+``shutil.rmtree(ignore_errors=True)``: a kill or a full disk in between left an empty directory, a 0-byte
+``optimizer.pt`` or a half-deleted old checkpoint, all under names that resume picks. Here the same Trainer code
+writes into ``<output_dir>/.pair_dpo_staging/checkpoint-N`` instead (its ``_get_output_dir`` is pointed there for the
+duration of the save; every rank writes its own files, DeepSpeed ZeRO-3 shards and RNG states included), then:
+
+1. the main process writes the reference identity (``pair_dpo_reference.json``) into the staged directory;
+2. all ranks agree that every rank's writes succeeded (one CPU collective); one process per node fsyncs the tree;
+3. the main process writes the manifest ``pair_dpo_checkpoint.json`` (step, every file with its size, the schedule
+   fingerprint), fsyncs it, renames the staged directory to ``checkpoint-N`` and fsyncs ``output_dir``;
+4. only then are old checkpoints rotated out, each renamed to a hidden ``.pair_dpo_trash-*`` name before it is
+   deleted, so a visible checkpoint is always whole.
+
+A checkpoint is *complete* when its manifest exists and every file it lists has the recorded size
+(:func:`checkpoint_problem`). The identity file is not listed: it is written before the rename like every other file,
+and its content is checked on resume by the reference gate, which names what is wrong with it (``identity_missing``,
+``identity_malformed``, ``reference_changed``, ``environment_drift``).
+
+A failure on any rank is agreed on by all ranks, the staged directory is removed, and every rank raises; a full disk
+raises :class:`~pair_dpo_trainer.errors.CheckpointError` ``disk_full`` naming the directory and its free space
+(torch's own error was ``RuntimeError: basic_ios::clear: iostream error``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from pair_dpo_trainer.atomic import atomic_open, fsync_dir, fsync_tree
+from pair_dpo_trainer.errors import CheckpointError, PairDPOError
+from pair_dpo_trainer.integrity import IDENTITY_FILENAME, write_identity
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu
+
+logger = logging.getLogger(__name__)
+
+MANIFEST_FILENAME = "pair_dpo_checkpoint.json"
+MANIFEST_FORMAT = 1
+STAGING_DIRNAME = ".pair_dpo_staging"
+TRASH_PREFIX = ".pair_dpo_trash-"
+_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "disk quota exceeded")
+_WRITER_FAILURE_TEXT = ("file write failed", "iostream error", "pytorchstreamwriter failed", "unexpected pos")
+_NEARLY_FULL_BYTES = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What one atomic save needs besides the Trainer.
+
+    Attributes:
+        identity: The reference identity to write inside (None when reference-free).
+        schedule_fingerprint: The train schedule's fingerprint (``PairBatchSampler.schedule_fingerprint(0)``).
+    """
+
+    identity: Any
+    schedule_fingerprint: str | None
+
+
+def staging_root(run_dir: str | os.PathLike[str]) -> Path:
+    """Where checkpoints are written before they become visible (inside ``run_dir``: the same filesystem)."""
+    return Path(run_dir) / STAGING_DIRNAME
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """``N`` of a ``checkpoint-N`` directory name, else None."""
+    prefix = f"{PREFIX_CHECKPOINT_DIR}-"
+    tail = path.name[len(prefix) :] if path.name.startswith(prefix) else ""
+    return int(tail) if tail.isdigit() else None
+
+
+def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    """The visible ``checkpoint-N`` directories of ``run_dir``, by step (ascending)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(checkpoint_step(p), p) for p in root.iterdir() if p.is_dir()]
+    return sorted((step, path) for step, path in found if step is not None)
+
+
+def read_manifest(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The checkpoint's manifest, or None when it has none (or an unreadable one)."""
+    try:
+        data = json.loads((Path(checkpoint) / MANIFEST_FILENAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+
+
+def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
+    """Why ``checkpoint`` is not a complete checkpoint, or None when it is one."""
+    path = Path(checkpoint)
+    if not path.is_dir():
+        return "no such directory"
+    manifest = read_manifest(path)
+    if manifest is None:
+        return (
+            f"no readable {MANIFEST_FILENAME} (an interrupted save, a save by an older pair_dpo_trainer, or another "
+            "trainer's checkpoint)"
+        )
+    for name, size in manifest["files"].items():
+        try:
+            actual = (path / name).stat().st_size
+        except OSError:
+            return f"{name} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest recorded {size}"
+    return None
+
+
+def save_checkpoint_atomically(trainer: Any, trial: Any, write: Callable[[], None], request: SaveRequest) -> Path:
+    """Runs the Trainer's own save (``write``) into a staged directory and publishes it complete; every rank calls it.
+
+    Args:
+        trainer: The ``PairDPOTrainer``.
+        trial: The hyper-parameter search trial (as ``Trainer._save_checkpoint`` receives it).
+        write: ``Trainer._save_checkpoint`` bound to ``(model, trial)``.
+        request: The identity and schedule fingerprint to record.
+
+    Returns:
+        The published ``checkpoint-N`` directory.
+
+    Raises:
+        CheckpointError: ``disk_full`` (the filesystem of ``output_dir`` filled up) or ``save_failed`` (another rank
+            failed: its error is in its log); any other error of the failing rank itself. Nothing partial is visible.
+    """
+    args = trainer.args
+    run_dir = Path(trainer._get_output_dir(trial=trial))
+    name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    staged, final = staging_root(run_dir) / name, run_dir / name
+    stages: list[tuple[str, Callable[[], None], bool]] = [
+        ("write", lambda: _write_staged(trainer, trial, write, staged, final, request), True),
+        ("sync", lambda: fsync_tree(staged), args.local_process_index == 0),
+        ("publish", lambda: _publish(staged, final, request, trainer), bool(args.should_save)),
+    ]
+    for stage, action, runs_here in stages:
+        error = _attempt(action, run_dir, name) if runs_here else None
+        _agree(error, stage=stage, name=name, rank=args.process_index, cleanup=staged if args.should_save else None)
+    if args.should_save:
+        logger.info("checkpoint %s complete (%d files)", final, len((read_manifest(final) or {"files": {}})["files"]))
+    return final
+
+
+def _write_staged(trainer: Any, trial: Any, write: Callable[[], None], staged: Path, final: Path, request) -> None:
+    with _output_dir_redirected(trainer, staged.parent):
+        write()
+    state = trainer.state
+    if state.best_model_checkpoint is not None and Path(state.best_model_checkpoint) == staged:
+        state.best_model_checkpoint = str(final)  # HF recorded the staged path of a best checkpoint
+        if trainer.args.should_save:
+            from transformers.trainer import TRAINER_STATE_NAME
+
+            state.save_to_json(str(staged / TRAINER_STATE_NAME))
+    if trainer.args.should_save and request.identity is not None:
+        write_identity(staged, request.identity)
+
+
+@contextlib.contextmanager
+def _output_dir_redirected(trainer: Any, root: Path) -> Iterator[None]:
+    """Points ``trainer._get_output_dir`` at ``root`` (HF's save then writes ``root/checkpoint-N`` and rotates the
+    staging root, which holds nothing else) for the duration of one save."""
+    root.mkdir(parents=True, exist_ok=True)
+    trainer._get_output_dir = lambda trial=None: str(root)
+    try:
+        yield
+    finally:
+        del trainer._get_output_dir
+
+
+def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> None:
+    """Manifest, rename, fsync, then rotation (main process only)."""
+    files = {
+        str(path.relative_to(staged)): path.stat().st_size
+        for path in sorted(staged.rglob("*"))
+        if path.is_file() and not path.is_symlink() and path.name != IDENTITY_FILENAME
+    }
+    manifest = {
+        "format": MANIFEST_FORMAT,
+        "step": trainer.state.global_step,
+        "world_size": trainer.args.world_size,
+        "reference_identity": None if request.identity is None else IDENTITY_FILENAME,
+        "schedule_fingerprint": request.schedule_fingerprint,
+        "files": files,
+    }
+    with atomic_open(staged / MANIFEST_FILENAME) as f:
+        f.write(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    fsync_dir(staged)
+    trash = None
+    if final.exists():  # the same step saved twice (e.g. a step and an epoch save): replace the older copy
+        trash = final.with_name(f"{TRASH_PREFIX}{final.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(final, trash)
+    os.rename(staged, final)
+    fsync_dir(final.parent)
+    with contextlib.suppress(OSError):
+        staged.parent.rmdir()  # the staging directory exists only while a save is in flight
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    rotate_checkpoints(final.parent, trainer.args.save_total_limit, keep=(final, trainer.state.best_model_checkpoint))
+
+
+def rotate_checkpoints(run_dir: Path, limit: int | None, *, keep: tuple[Any, ...]) -> list[Path]:
+    """Deletes the oldest complete checkpoints beyond ``limit`` (never one in ``keep``); returns the deleted ones.
+
+    Incomplete directories are left alone (resume skips them with a warning). Each deleted checkpoint is first
+    renamed to a hidden trash name, so an interrupted deletion never leaves a half-deleted ``checkpoint-N``.
+    """
+    if not limit or limit <= 0:
+        return []
+    protected = {Path(p).resolve() for p in keep if p is not None}
+    complete = [path for _, path in list_checkpoints(run_dir) if checkpoint_problem(path) is None]
+    budget = max(limit, len(protected))
+    deleted: list[Path] = []
+    for path in complete:
+        if len(complete) - len(deleted) <= budget:
+            break
+        if path.resolve() in protected:
+            continue
+        trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, trash)
+        fsync_dir(run_dir)
+        shutil.rmtree(trash, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def clear_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Removes staged saves and trash of earlier (interrupted) runs; returns what was removed. Main process only,
+    while holding the output-dir lock (no other run writes there)."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        return []
+    leftovers = [p for p in root.iterdir() if p.name == STAGING_DIRNAME or p.name.startswith(TRASH_PREFIX)]
+    for path in leftovers:
+        shutil.rmtree(path, ignore_errors=True)
+    return leftovers
+
+
+def staged_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Checkpoints an interrupted save left in the staging directory (never visible, never resumed)."""
+    root = staging_root(run_dir)
+    return sorted(p for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+
+
+def _attempt(action: Callable[[], None], run_dir: Path, name: str) -> PairDPOError | BaseException | None:
+    """Runs one stage; returns its error (a full disk as ``disk_full``) instead of raising, so ranks can agree."""
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - every failure is agreed on, then raised on every rank
+        full = disk_full_error(exc, run_dir, name)
+        if full is not None:
+            full.__cause__ = exc
+            logger.error("%s", full)
+            return full
+        logger.error("saving %s failed on this rank: %r", name, exc)
+        return exc
+    return None
+
+
+def _agree(error: BaseException | None, *, stage: str, name: str, rank: int, cleanup: Path | None) -> None:
+    """Every rank learns whether any rank failed ``stage``; on a failure every rank raises (the staged directory is
+    removed by the main process first)."""
+    summary = None if error is None else (getattr(error, "reason_code", "save_failed"), str(error)[:2000])
+    try:
+        outcomes = all_gather_cpu(summary)
+    except RuntimeError:
+        if error is not None:  # the collective failed too: this rank's own error is the one to report
+            raise error from None
+        raise
+    failed = [(r, outcome) for r, outcome in enumerate(outcomes) if outcome is not None]
+    if not failed:
+        return
+    if cleanup is not None:
+        shutil.rmtree(cleanup, ignore_errors=True)
+    if error is not None:
+        raise error
+    first_rank, (code, text) = failed[0]
+    raise CheckpointError(
+        code if code == "disk_full" else "save_failed",
+        f"{name} was not saved: rank {first_rank} failed during the {stage} stage ({text}); nothing partial is "
+        "visible and the earlier checkpoints are intact.",
+    )
+
+
+def disk_full_error(exc: BaseException, run_dir: Path, name: str) -> CheckpointError | None:
+    """``disk_full`` for an error caused by a full filesystem (or quota) under ``run_dir``, else None.
+
+    torch's C++ writer reports a full disk without an errno (``basic_ios::clear: iostream error``, ``PytorchStreamWriter
+    failed writing file``): such a writer error counts as a full disk when less than 64 MiB is left.
+    """
+    free, total = _space(run_dir)
+    chain: list[BaseException] = []
+    cursor: BaseException | None = exc
+    while cursor is not None and cursor not in chain:
+        chain.append(cursor)
+        cursor = cursor.__cause__ or cursor.__context__
+    texts = [str(e).lower() for e in chain]
+    full = any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS for e in chain)
+    full = full or any(marker in text for text in texts for marker in _DISK_FULL_TEXT)
+    writer = any(marker in text for text in texts for marker in _WRITER_FAILURE_TEXT)
+    if not (full or (writer and free is not None and free < _NEARLY_FULL_BYTES)):
+        return None
+    space = "free space unknown" if free is None else f"{_size(free)} free of {_size(total)}"
+    error = CheckpointError(
+        "disk_full",
+        f"no space left on the filesystem of {run_dir} while writing {name} ({space}): the partial {name} was "
+        "removed and the earlier checkpoints are intact. Free space there (or lower save_total_limit, or set "
+        "output_dir on a larger disk), then resume with --resume_from_checkpoint latest.",
+    )
+    error.directory, error.free_bytes = str(run_dir), free
+    return error
+
+
+def _space(path: Path) -> tuple[int | None, int | None]:
+    try:
+        usage = shutil.disk_usage(path)
+    except OSError:
+        return None, None
+    return usage.free, usage.total
+
+
+def _size(value: int | None) -> str:
+    if value is None:
+        return "?"
+    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"

@@ -1,0 +1,222 @@
+"""``RunGuard``: the trainer's one entry point to fault tolerance (lock, timeouts, preemption, atomic checkpoints).
+
+``PairDPOTrainer`` calls it in three places and nowhere else:
+
+- ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
+  outcome), ``ddp_timeout`` on every process group, the resume checkpoint resolved (``latest`` / ``auto``), staged
+  leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary callback installed; on the way
+  out a preemption becomes :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that
+  timed out or lost its peer becomes ``collective_timeout`` / ``peer_lost``.
+- ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
+  resumed checkpoint's, recorded in every new one).
+- ``_save_checkpoint()`` delegates to :meth:`RunGuard.save_checkpoint` (``fault_tolerance/checkpoint.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from pair_dpo_trainer.errors import RunError
+from pair_dpo_trainer.fault_tolerance.checkpoint import (
+    SaveRequest,
+    checkpoint_problem,
+    clear_leftovers,
+    save_checkpoint_atomically,
+)
+from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
+from pair_dpo_trainer.fault_tolerance.preemption import PreemptionHandler, TrainingPreempted
+from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
+from pair_dpo_trainer.parallel.collectives import (
+    apply_collective_timeout,
+    check_nccl_error_handling,
+    collective_failure,
+    end_process_group,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GuardOptions:
+    """What fault tolerance reads of the run's options.
+
+    Attributes:
+        output_dir: The run's output directory (locked, checkpointed into).
+        ddp_timeout: Seconds a collective may wait before the job ends (``collective_timeout``).
+        rank: This process's global rank.
+        allow_resume_data_mismatch: Resume a checkpoint of another schedule instead of refusing it.
+    """
+
+    output_dir: str
+    ddp_timeout: float
+    rank: int = 0
+    allow_resume_data_mismatch: bool = False
+
+    @classmethod
+    def from_args(cls, args: TrainingArguments) -> GuardOptions:
+        """The options of a run's ``TrainingArguments`` (a ``PairDPOConfig`` also sets the resume override)."""
+        return cls(
+            output_dir=str(args.output_dir),
+            ddp_timeout=float(args.ddp_timeout),
+            rank=int(args.process_index),
+            allow_resume_data_mismatch=bool(getattr(args, "allow_resume_data_mismatch", False)),
+        )
+
+
+class RunGuard:
+    """Fault tolerance of one trainer's runs; each :meth:`session` reads the options as they are when it starts."""
+
+    def __init__(self) -> None:
+        self.options = GuardOptions(output_dir=".", ddp_timeout=1800.0)
+        self.preemption = PreemptionHandler()
+        self.resume_checkpoint: str | None = None
+        self.schedule_fingerprint: str | None = None
+        self._locked: str | None = None
+
+    @property
+    def _is_main(self) -> bool:
+        return self.options.rank == 0
+
+    @property
+    def _output_dir(self) -> str:
+        return self.options.output_dir
+
+    @contextlib.contextmanager
+    def session(
+        self, trainer: Any, resume_from_checkpoint: str | bool | None, options: GuardOptions
+    ) -> Iterator[str | None]:
+        """Wraps one ``train()`` call; yields the checkpoint to resume from (None: fresh start). Every rank enters it.
+
+        ``options`` are what fault tolerance reads of the run's options (:meth:`GuardOptions.from_args`).
+
+        Raises:
+            RunError: ``output_dir_in_use`` (on every rank), ``collective_timeout``, ``peer_lost``.
+            CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``).
+            ConfigError: ``unsupported_combination`` for NCCL without a collective timeout.
+            TrainingPreempted: after a SIGTERM, once the checkpoint is saved on every rank.
+        """
+        self.options = options
+        check_nccl_error_handling()
+        apply_collective_timeout(self.options.ddp_timeout)
+        self._lock(trainer)
+        self.resume_checkpoint = self._resolve(resume_from_checkpoint)
+        callback = _GuardCallback(self)
+        trainer.add_callback(callback)
+        self.preemption.install()
+        try:
+            yield self.resume_checkpoint
+            self._finish(trainer)
+        except RuntimeError as exc:
+            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank)
+            if failure is None:
+                raise
+            raise failure from exc
+        finally:
+            self.preemption.restore()
+            trainer.remove_callback(callback)
+
+    def check_schedule(self, fingerprint: str) -> None:
+        """Records the train schedule's fingerprint; on resume refuses a checkpoint of another schedule.
+
+        Raises:
+            CheckpointError: ``resume_data_mismatch`` (unless ``allow_resume_data_mismatch``).
+        """
+        self.schedule_fingerprint = fingerprint
+        if self.resume_checkpoint is not None:
+            check_resumed_schedule(
+                self.resume_checkpoint,
+                fingerprint,
+                allow_mismatch=self.options.allow_resume_data_mismatch,
+                warn=self._is_main,
+            )
+
+    def save_checkpoint(self, trainer: Any, trial: Any, write: Callable[[], None], *, identity: Any) -> Path:
+        """The Trainer's save (``write``), made atomic (see ``fault_tolerance/checkpoint.py``). Every rank calls it."""
+        request = SaveRequest(identity=identity, schedule_fingerprint=self.schedule_fingerprint)
+        return save_checkpoint_atomically(trainer, trial, write, request)
+
+    # ------------------------------------------------------------------ internals
+    def _lock(self, trainer: Any) -> None:
+        """The main process takes the output-dir lock (once per trainer); every rank learns the outcome.
+
+        Processes that share a process group but are each their own Trainer "main process" all try; one is refused,
+        so all stop. ``launch.py`` refuses such launches first (``launch_not_one_job``; torchrun without ``use_cpu``
+        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``.
+        """
+        if self._locked == self._output_dir:
+            return
+        refusal = None
+        if self._is_main:
+            try:
+                warning = acquire_output_dir(self._output_dir)
+            except RunError as exc:
+                refusal = (exc.reason_code, exc.message)
+            else:
+                if warning:
+                    logger.warning(warning)
+                weakref.finalize(trainer, release_output_dir, self._output_dir)
+        refusals = [r for r in all_gather_cpu(refusal) if r is not None]  # any rank that tried and was refused
+        if refusals:
+            raise RunError(*refusals[0])
+        self._locked = self._output_dir
+
+    def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        """Resolves the checkpoint on every rank (they must agree), then clears an interrupted run's leftovers."""
+        resume = resolve_resume(resume_from_checkpoint, self._output_dir, warn=self._is_main)
+        if self._is_main:
+            clear_leftovers(self._output_dir)
+        assert_ranks_agree("checkpoint to resume from", str(resume))
+        if resume is not None and self._is_main:
+            logger.warning("resuming from %s", resume)
+        return resume
+
+    def _finish(self, trainer: Any) -> None:
+        """After ``Trainer.train`` returned: a SIGTERM (even one after the last step boundary) ends in
+        ``TrainingPreempted`` once a checkpoint of the last step is complete."""
+        handler = self.preemption
+        if handler.stop_step is None and handler.agree():  # signalled after the last step boundary
+            handler.stop_step = trainer.state.global_step
+        if handler.stop_step is None:
+            return
+        if all_gather_cpu(checkpoint_problem(self._checkpoint_dir(trainer)) is not None)[0]:
+            trainer._save_checkpoint(trainer.model, None)  # not saved yet (e.g. save_strategy="best" skipped it)
+        preempted = TrainingPreempted(handler.stop_step, str(self._checkpoint_dir(trainer)))
+        if self._is_main:
+            logger.warning(preempted.message)
+        end_process_group()  # the process exits with 75 next; a live gloo group can turn that into an abort
+        raise preempted
+
+    @staticmethod
+    def _checkpoint_dir(trainer: Any) -> Path:
+        return Path(trainer._get_output_dir(trial=None)) / f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+
+
+class _GuardCallback(TrainerCallback):
+    """Step-boundary hooks: ``ddp_timeout`` on the groups the Trainer built (DeepSpeed's), and the preemption stop."""
+
+    def __init__(self, guard: RunGuard) -> None:
+        self.guard = guard
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        apply_collective_timeout(args.ddp_timeout)
+        return control
+
+    def on_step_end(self, args, state, control, **kwargs):
+        handler = self.guard.preemption
+        if handler.stop_step is None and handler.agree():
+            handler.stop_step = state.global_step
+            control.should_save = True
+            control.should_training_stop = True
+            if args.process_index == 0:
+                logger.warning("SIGTERM: stopping after step %d and saving a checkpoint", state.global_step)
+        return control

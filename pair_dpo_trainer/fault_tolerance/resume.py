@@ -1,0 +1,145 @@
+"""Which checkpoint a run resumes from, and whether that checkpoint belongs to this run's data.
+
+``resume_from_checkpoint`` accepts, in ``PairDPOTrainer.train`` and as ``--resume_from_checkpoint`` of ``train.py``
+(where ``TrainingArguments`` keeps it as a string):
+
+- ``True`` / ``"true"`` / ``"latest"``: the newest *complete* checkpoint of ``output_dir`` (see
+  :func:`~pair_dpo_trainer.fault_tolerance.checkpoint.checkpoint_problem`); newer incomplete ones (and saves an interrupted
+  run left in the staging directory) are skipped with a warning naming them; ``no_checkpoint`` when there is none.
+- ``"auto"``: the same, but a fresh start when there is no checkpoint yet (the one command line of a job that is
+  requeued after preemption).
+- a path: that checkpoint; ``checkpoint_incomplete`` when its manifest lists a missing or truncated file (a checkpoint
+  without a manifest, from an older version, is accepted with a warning).
+- ``None`` / ``False`` / ``"false"`` / ``""``: no resume.
+
+On resume the checkpoint's schedule fingerprint (dataset pair costs, seed, layout: what the sampler's plan depends
+on) must equal this run's: otherwise the resumed step would index other pairs (``resume_data_mismatch``, unless
+``allow_resume_data_mismatch=True``, which logs what it accepts).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from pair_dpo_trainer.errors import CheckpointError
+from pair_dpo_trainer.fault_tolerance.checkpoint import (
+    MANIFEST_FILENAME,
+    checkpoint_problem,
+    list_checkpoints,
+    read_manifest,
+    staged_leftovers,
+)
+
+logger = logging.getLogger(__name__)
+
+LATEST = ("true", "latest")
+AUTO = "auto"
+NO_RESUME = ("false", "none", "")
+
+
+def resolve_resume(value: str | bool | None, output_dir: str, *, warn: bool = True) -> str | None:
+    """The checkpoint directory to resume from (None: start fresh), following the module's rules.
+
+    Args:
+        value: ``resume_from_checkpoint`` as given.
+        output_dir: The run's output directory (where ``latest`` looks).
+        warn: Log the skipped checkpoints (the main process does; the others resolve silently).
+
+    Raises:
+        CheckpointError: ``no_checkpoint`` (nothing complete to resume from, or no such path),
+            ``checkpoint_incomplete`` (an explicit path whose files do not match its manifest).
+    """
+    if value is None or value is False:
+        return None
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in NO_RESUME:
+        return None
+    if value is True or word in LATEST or word == AUTO:
+        found = latest_complete_checkpoint(output_dir, warn=warn)
+        if found is not None:
+            return found
+        if word == AUTO:
+            if warn:
+                logger.warning("resume_from_checkpoint=auto: no complete checkpoint in %s, starting fresh", output_dir)
+            return None
+        raise CheckpointError(
+            "no_checkpoint",
+            f"resume_from_checkpoint={value!r}: no complete checkpoint in {output_dir} (see the warnings above for "
+            "incomplete ones). Start without --resume_from_checkpoint, use 'auto' (resume if there is one), or pass "
+            "a checkpoint directory.",
+        )
+    return _explicit(str(value), warn=warn)
+
+
+def _explicit(path: str, *, warn: bool) -> str:
+    if not Path(path).is_dir():
+        raise CheckpointError(
+            "no_checkpoint",
+            f"resume_from_checkpoint={path!r}: no such checkpoint directory. Pass an existing checkpoint-N directory, "
+            "or 'latest' for the newest complete checkpoint of output_dir.",
+        )
+    problem = checkpoint_problem(path)
+    if problem is None:
+        return path
+    if read_manifest(path) is None:
+        if warn:
+            logger.warning(
+                "resume_from_checkpoint=%s has no %s (saved by an older pair_dpo_trainer or another trainer): its "
+                "completeness and data cannot be checked; resuming as asked.",
+                path,
+                MANIFEST_FILENAME,
+            )
+        return path
+    raise CheckpointError(
+        "checkpoint_incomplete",
+        f"resume_from_checkpoint={path!r} is incomplete: {problem}. Resume from an earlier checkpoint, or use "
+        "'latest' (the newest complete one).",
+    )
+
+
+def latest_complete_checkpoint(output_dir: str | os.PathLike[str], *, warn: bool = True) -> str | None:
+    """The newest complete ``checkpoint-N`` of ``output_dir``, or None; newer incomplete ones are warned about."""
+    if warn:
+        for leftover in staged_leftovers(output_dir):
+            logger.warning("ignoring %s: a save that was interrupted before it completed", leftover)
+    for _, path in reversed(list_checkpoints(output_dir)):
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return str(path)
+        if warn:
+            logger.warning("skipping incomplete checkpoint %s: %s", path, problem)
+    return None
+
+
+def check_resumed_schedule(checkpoint: str, fingerprint: str, *, allow_mismatch: bool, warn: bool = True) -> None:
+    """Refuses to resume ``checkpoint`` with a different train schedule.
+
+    Raises:
+        CheckpointError: ``resume_data_mismatch`` unless ``allow_mismatch``.
+    """
+    manifest = read_manifest(checkpoint) or {}
+    recorded = manifest.get("schedule_fingerprint")
+    if recorded is None:
+        if warn:
+            logger.warning(
+                "%s records no schedule fingerprint: cannot check that it was trained on this data", checkpoint
+            )
+        return
+    if recorded == fingerprint:
+        return
+    text = (
+        f"{checkpoint} was trained on another schedule (fingerprint {recorded}; this run plans {fingerprint}): the "
+        "dataset (its pairs' token lengths), seed / data_seed, or the batch layout (world size, "
+        "per_device_train_batch_size, gradient_accumulation_steps) differ, so the resumed step would index other "
+        "pairs than the original run's."
+    )
+    if not allow_mismatch:
+        raise CheckpointError(
+            "resume_data_mismatch",
+            f"{text} Resume with the original data and layout, or set allow_resume_data_mismatch=True to continue "
+            "from its weights and step with this run's schedule.",
+        )
+    if warn:
+        logger.warning("%s Continuing as allow_resume_data_mismatch=True asks.", text)

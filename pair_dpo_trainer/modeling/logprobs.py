@@ -1,0 +1,491 @@
+"""Per-sequence log-probabilities of completions, for packed rows (chunked) and padded rows (reference).
+
+The packed path never materialises ``[T, V]`` logits: the final hidden states of the scored positions only
+(``batch.completion_positions``, usually well under half of the row) are projected onto the vocabulary
+``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
+log-sum-exps and recomputes each chunk's logits in backward (one extra ``[c, H] x [H, V]`` matmul per chunk).
+Temporaries are a few ``[chunk_size, V]`` tensors, plus a float32 ``[V, H]`` gradient accumulator in backward
+when the head weight is bf16/fp16: a fraction of the naive path's peak memory for some extra time (measured:
+``docs/benchmarks.md``, "Packed log-probs and attention").
+
+The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
+sums use ``index_add`` with ``sequence_index``.
+
+Wrappers and ZeRO-3: the forward runs through the (possibly wrapped) top-level model, so DDP / DeepSpeed
+forward hooks fire, with ``logits_to_keep`` set to an empty index (the model's own ``lm_head`` call sees 0
+rows); the final hidden states are captured by a forward hook on ``model.get_decoder()``. When the head weight
+is a partitioned ZeRO-3 parameter (it has ``ds_id``), the chunked computation runs inside ONE call of the head module
+so that DeepSpeed gathers it exactly once per forward on every rank (:func:`module_chunked_token_logps`;
+``tests/test_deepspeed.py`` gives the ranks different numbers of chunks). Under FSDP2 the chunked computation runs
+inside the model's own call of the head instead (:func:`in_forward_token_logps`): that is where FSDP2 has the
+unsharded weight, once per forward on every rank (``tests/test_fsdp2.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from pair_dpo_trainer.collators.packed import IGNORE_INDEX, PackedPairBatch, split_pairs
+from pair_dpo_trainer.collators.padded import PaddedPairBatch
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs
+from pair_dpo_trainer.modeling.wrappers import is_fsdp_managed, unwrap_model
+
+DEFAULT_CHUNK_SIZE = 4096
+"""Rows of hidden states projected onto the vocabulary at once."""
+
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of log-probs and accumulators: float32, or float64 for float64 inputs."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``[c, H] x [V, H] -> [c, V]`` logits in the input dtype (as the model's head), cast to ``dtype``."""
+    return (hidden @ weight.t()).to(dtype)
+
+
+TOKEN_STATS = ("mean_logit", "entropy", "is_top1", "log_sum_sq_probs")
+"""Columns of the per-token statistics :func:`chunked_token_logps` returns with ``with_stats=True`` (no gradient):
+the mean logit over the vocabulary (TRL's ``logits/*`` metrics), the entropy of the next-token distribution, 1.0
+where the target is the argmax, and ``log sum_v p_v^2`` (WPO's normalisation)."""
+
+
+def _chunk_stats(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(lse [c], stats [c, 4])`` of one ``[c, V]`` chunk, with one ``[c, V]`` temporary besides the logits."""
+    top = logits.max(dim=-1)
+    exp = (logits - top.values[:, None]).exp_()
+    total = exp.sum(dim=-1)
+    lse = top.values + total.log()
+    weighted = torch.bmm(exp[:, None, :], logits[:, :, None]).reshape(-1)  # sum_v e_v z_v without a [c, V] product
+    squares = torch.bmm(exp[:, None, :], exp[:, :, None]).reshape(-1)
+    stats = torch.stack(
+        [
+            logits.mean(dim=-1),
+            lse - weighted / total,
+            (top.indices == targets).to(logits.dtype),
+            squares.log() - 2.0 * total.log(),
+        ],
+        dim=1,
+    )
+    return lse, stats
+
+
+class _ChunkedTokenLogps(torch.autograd.Function):
+    """``log_softmax(hidden @ weight.T)[i, targets[i]]`` chunk by chunk; backward recomputes each chunk.
+
+    With ``with_stats`` the forward also returns the :data:`TOKEN_STATS` of every row (non-differentiable; an
+    empty ``[0, 4]`` tensor otherwise). Backward is the same either way.
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_stats: bool
+    ):
+        dtype = _acc_dtype(hidden.dtype)
+        total = hidden.shape[0]
+        logps = hidden.new_empty(total, dtype=dtype)
+        lse = hidden.new_empty(total, dtype=dtype)
+        stats = hidden.new_empty((total if with_stats else 0, len(TOKEN_STATS)), dtype=dtype)
+        for start in range(0, total, chunk_size):
+            end = min(start + chunk_size, total)
+            logits = _chunk_logits(hidden[start:end], weight, dtype)
+            if with_stats:
+                lse[start:end], stats[start:end] = _chunk_stats(logits, targets[start:end])
+            else:
+                lse[start:end] = torch.logsumexp(logits, dim=-1)
+            logps[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+            del logits
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_size = chunk_size
+        ctx.mark_non_differentiable(stats)
+        return logps, stats
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_logps: torch.Tensor, _grad_stats: torch.Tensor | None):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        dtype = lse.dtype
+        grad_logps = grad_logps.to(dtype)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            grad = grad_logps[start:end, None]
+            # d logp_t / d logits = onehot(t) - softmax(logits), scaled by the incoming gradient.
+            dlogits = _chunk_logits(hidden[start:end], weight, dtype).sub_(lse[start:end, None]).exp_()
+            dlogits.mul_(-grad).scatter_add_(1, targets[start:end, None], grad)
+            dlogits = dlogits.to(weight.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = dlogits @ weight
+            if grad_weight is not None and dlogits.dtype == dtype:
+                grad_weight.addmm_(dlogits.t(), hidden[start:end])
+            elif grad_weight is not None:
+                grad_weight += (dlogits.t() @ hidden[start:end]).to(dtype)
+            del dlogits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each target token, computed ``chunk_size`` rows at a time.
+
+    No ``[N, V]`` tensor exists in forward or backward; only ``[chunk_size, V]`` temporaries (with ``with_stats``,
+    the same number: the statistics reuse the chunk's ``exp(logits - max)``).
+
+    Args:
+        hidden: ``[N, H]`` final hidden states (any float dtype; cast to ``weight.dtype``).
+        weight: ``[V, H]`` output-embedding (LM head) weight.
+        targets: ``[N]`` int64 target ids, all in ``[0, V)`` (not checked: no host sync).
+        chunk_size: Rows per chunk (need not divide ``N``).
+        with_stats: Also return the per-token :data:`TOKEN_STATS`.
+
+    Returns:
+        ``[N]`` log-probs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden`` and ``weight``;
+        with ``with_stats``, ``(logps, stats [N, 4])`` (stats without gradient).
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    logps, stats = _ChunkedTokenLogps.apply(hidden.to(weight.dtype), weight, targets, int(chunk_size), with_stats)
+    return (logps, stats) if with_stats else logps
+
+
+def naive_token_logps(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reference for :func:`chunked_token_logps`: full ``[N, V]`` logits, ``log_softmax`` and ``gather``.
+
+    Args:
+        hidden: ``[N, H]``.
+        weight: ``[V, H]``.
+        targets: ``[N]`` int64.
+
+    Returns:
+        ``[N]`` log-probs, float32 (float64 for float64 inputs).
+    """
+    logits = F.linear(hidden.to(weight.dtype), weight).to(_acc_dtype(weight.dtype))
+    return logits.log_softmax(dim=-1).gather(1, targets[:, None]).squeeze(1)
+
+
+def naive_token_stats(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Reference for the ``with_stats`` output of :func:`chunked_token_logps`: full ``[N, V]`` logits.
+
+    Returns:
+        ``[N, 4]`` :data:`TOKEN_STATS`, float32 (float64 for float64 inputs).
+    """
+    logits = F.linear(hidden.to(weight.dtype), weight).to(_acc_dtype(weight.dtype))
+    log_probs = logits.log_softmax(dim=-1)
+    probs = log_probs.exp()
+    entropy = -(probs * log_probs).sum(dim=-1)
+    top1 = (logits.argmax(dim=-1) == targets).to(logits.dtype)
+    return torch.stack([logits.mean(dim=-1), entropy, top1, (probs**2).sum(dim=-1).log()], dim=1)
+
+
+def module_chunked_token_logps(
+    head: Any,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`chunked_token_logps`, run as ONE call of the ``head`` module, so that module hooks fire exactly once.
+
+    Under DeepSpeed ZeRO-3 the head's pre-forward hook all-gathers its partitioned weight (a collective) and its
+    backward hook gathers it again. The call count must not depend on this rank's data: calling the head once per
+    chunk made ranks with different numbers of scored tokens issue different numbers of gathers, which deadlocks
+    NCCL (gloo reports a collective mismatch). Here the head is called once, with its ``forward`` temporarily
+    replaced by the chunked computation on ``head.weight`` (the gathered weight inside the call; backward recomputes
+    each chunk as :func:`chunked_token_logps` does). Shapes and dtypes as :func:`chunked_token_logps`.
+    """
+
+    def chunked_forward(rows: torch.Tensor, ids: torch.Tensor) -> Any:
+        return chunked_token_logps(rows, head.weight, ids, chunk_size, with_stats=with_stats)
+
+    head.forward = chunked_forward  # an instance attribute shadows the class method for this one call
+    try:
+        return head(hidden, targets)
+    finally:
+        del head.forward
+
+
+def check_supported_head(model: torch.nn.Module) -> Any:
+    """Return the LM head of ``model`` after checking that logits are a plain ``hidden @ weight.T``.
+
+    Raises:
+        ConfigError: ``logit_transform_unsupported`` when the config soft-caps or scales the final logits
+            (Gemma2/3 ``final_logit_softcapping``, Cohere ``logit_scale``, Granite ``logits_scaling``) or the
+            head has a bias: the chunked path would silently compute different values.
+    """
+    target = unwrap_model(model)
+    config = target.config
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(config, name, None)
+        neutral = value is None or (name != "final_logit_softcapping" and float(value) == 1.0)
+        if not neutral:
+            raise ConfigError(
+                "logit_transform_unsupported",
+                f"{type(target).__name__} sets config.{name}={value!r}; chunked log-probs do not support it",
+            )
+    head = target.get_output_embeddings()
+    if head is None or not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise ConfigError("logit_transform_unsupported", f"{type(target).__name__} has no linear output head")
+    if getattr(head, "bias", None) is not None:
+        raise ConfigError("logit_transform_unsupported", "an LM head with a bias is not supported yet")
+    return head
+
+
+def _check_varlen(model: torch.nn.Module) -> Any:
+    """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)."""
+    target = unwrap_model(model)
+    implementation = str(target.config._attn_implementation)
+    if implementation != PAIR_VARLEN and not implementation.startswith("flash_attention"):
+        raise ConfigError(
+            "attn_not_varlen",
+            f"packed forwards need attn_implementation={PAIR_VARLEN!r} (enable_pair_varlen(model)), "
+            f"got {implementation!r}",
+        )
+    return target
+
+
+def in_forward_token_logps(
+    model: torch.nn.Module,
+    head: Any,
+    batch: PackedPairBatch,
+    targets: torch.Tensor,
+    chunk_size: int,
+    *,
+    with_stats: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of the scored positions, computed inside the model's own (single) call of ``head``.
+
+    For FSDP2 modules: outside its unit's forward the head weight is a sharded DTensor; inside it is the all-gathered
+    weight, and FSDP's hooks (all-gather, reshard, the backward pre-hook that gathers it again) fire once, as for any
+    forward. The model selects the scored rows itself (``logits_to_keep=batch.completion_positions``, ``[1, P, H]``)
+    and its head call returns :func:`chunked_token_logps` of them instead of logits: ``[P]`` float32, not a view
+    (FSDP warns about view outputs).
+
+    Args:
+        model: The (FSDP2-sharded) causal LM with ``pair_varlen`` attention.
+        head: Its output embedding (:func:`check_supported_head`).
+        batch: Packed micro-batch on the model's device.
+        targets: ``[P]`` int64 target ids of ``batch.completion_positions``.
+        chunk_size: Rows per chunk.
+        with_stats: Also return the per-token :data:`TOKEN_STATS` (the head call then returns one ``[P, 5]`` tensor,
+            log-probs first, so the model's own code sees a single "logits" tensor; only the log-probs carry gradient).
+    """
+    _check_varlen(model)
+
+    def chunked_forward(rows: torch.Tensor) -> Any:
+        result = chunked_token_logps(
+            rows.reshape(-1, rows.shape[-1]), head.weight, targets, chunk_size, with_stats=with_stats
+        )
+        return torch.cat([result[0][:, None], result[1]], dim=1) if with_stats else result
+
+    head.forward = chunked_forward  # an instance attribute shadows the class method for this one forward
+    try:
+        output = model(**packed_forward_kwargs(batch), logits_to_keep=batch.completion_positions)
+    finally:
+        del head.forward
+    if not with_stats:
+        return output.logits.reshape(-1)
+    columns = output.logits.reshape(-1, 1 + len(TOKEN_STATS))
+    return columns[:, 0], columns[:, 1:].detach()
+
+
+def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torch.Tensor:
+    """Run the packed forward and return the final (post-norm) hidden states ``[1, T, H]``.
+
+    The call goes through ``model`` itself (wrappers included) with ``use_cache=False``, varlen boundaries and
+    an empty ``logits_to_keep``; the hidden states come from a forward hook on ``get_decoder()``.
+
+    Raises:
+        ConfigError: ``attn_not_varlen`` unless the model uses ``pair_varlen`` (or a transformers flash
+            implementation, which also honours ``cu_seq_lens_q``): other implementations would let packed
+            sequences attend to each other or build a dense ``[T, T]`` mask.
+    """
+    target = _check_varlen(model)
+    captured: list[torch.Tensor] = []
+
+    def _capture(_module: torch.nn.Module, _args: Any, output: Any) -> None:
+        captured.append(output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+
+    handle = target.get_decoder().register_forward_hook(_capture)
+    try:
+        no_logits = torch.empty(0, dtype=torch.int64, device=batch.input_ids.device)
+        model(**packed_forward_kwargs(batch), logits_to_keep=no_logits)
+    finally:
+        handle.remove()
+    return captured[-1]
+
+
+@dataclass(frozen=True)
+class SequenceLogps:
+    """The policy pass of one packed micro-batch, per sequence (``[2n]`` in sequence order: chosen, rejected, ...).
+
+    Attributes:
+        logps: Summed completion-token log-probs, LD-DPO weighted when ``batch.token_weights`` is set.
+        nll_logps: The plain sums (the same tensor as ``logps`` without token weights), for NLL terms.
+        token_stats: ``[2n, 4]`` detached per-sequence sums over the scored tokens of: the mean logit, the entropy,
+            the target-is-argmax indicator and ``log p_t - log sum_v p_v^2`` (WPO); None without statistics.
+    """
+
+    logps: torch.Tensor
+    nll_logps: torch.Tensor
+    token_stats: torch.Tensor | None = None
+
+
+def _scored_token_logps(model: torch.nn.Module, batch: PackedPairBatch, chunk_size: int, with_stats: bool):
+    """``(token_logps [N], stats [N, 4] | None, sequences [N])`` of the batch's scored positions."""
+    head = check_supported_head(model)
+    positions = batch.completion_positions
+    targets = batch.labels.reshape(-1).index_select(0, positions)
+    sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
+    if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
+        result = in_forward_token_logps(model, head, batch, targets, chunk_size, with_stats=with_stats)
+    else:
+        hidden = packed_hidden_states(model, batch)
+        rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
+        if hasattr(head.weight, "ds_id"):  # a ZeRO-3 partitioned parameter: let DeepSpeed's module hooks gather it
+            result = module_chunked_token_logps(head, rows, targets, chunk_size, with_stats=with_stats)
+        else:
+            result = chunked_token_logps(rows, head.weight, targets, chunk_size, with_stats=with_stats)
+    token_logps, stats = result if with_stats else (result, None)
+    return token_logps, stats, sequences
+
+
+def _sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Per-sequence sums of per-token ``values`` (``[N]`` or ``[N, k]``) with ``index_add`` (no host sync)."""
+    sums = values.new_zeros((num_sequences, *values.shape[1:]))
+    return sums.index_add(0, sequences, values)
+
+
+def packed_sequence_logps(
+    model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
+    """Per-sequence sums of completion-token log-probs for a packed row (weighted by ``batch.token_weights`` when
+    the trainer set them for LD-DPO, so every reference backend applies the same weighting as the policy).
+
+    Args:
+        model: Causal LM with ``attn_implementation="pair_varlen"`` (policy or reference; wrappers allowed).
+        batch: Packed micro-batch on the model's device.
+        chunk_size: Scored tokens projected onto the vocabulary at once.
+
+    Returns:
+        ``[2n]`` float32 log-probs in sequence order (chosen, rejected, chosen, ...); see
+        :func:`~pair_dpo_trainer.collators.packed.split_pairs`.
+
+    Raises:
+        ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
+    """
+    token_logps, _, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=False)
+    if batch.token_weights is not None:
+        token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
+    return _sequence_sums(token_logps, sequences, batch.num_sequences)
+
+
+def packed_policy_logps(
+    model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True
+) -> SequenceLogps:
+    """The policy's per-sequence log-probs and, with ``with_stats``, the per-token statistics summed per sequence
+    (computed inside the chunked head: no ``[T, V]`` tensor, no host sync). Shapes and errors as
+    :func:`packed_sequence_logps`."""
+    token_logps, stats, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats)
+    return sequence_logps_from_tokens(token_logps, stats, sequences, batch)
+
+
+def sequence_logps_from_tokens(
+    token_logps: torch.Tensor, stats: torch.Tensor | None, sequences: torch.Tensor, batch: PackedPairBatch
+) -> SequenceLogps:
+    """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
+    their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order)."""
+    n = batch.num_sequences
+    plain = _sequence_sums(token_logps, sequences, n)
+    if batch.token_weights is None:
+        logps = plain
+    else:
+        logps = _sequence_sums(token_logps * batch.token_weights.to(token_logps.dtype), sequences, n)
+    if stats is not None:
+        stats = stats.clone()
+        stats[:, 3] = token_logps.detach() - stats[:, 3]  # WPO: log p_t - log sum_v p_v^2
+        stats = _sequence_sums(stats, sequences, n)
+    return SequenceLogps(logps=logps, nll_logps=plain, token_stats=stats)
+
+
+def length_desensitized_weights(batch: PackedPairBatch, alpha: float) -> torch.Tensor:
+    """LD-DPO per-token weights of the scored positions: 1 for the first ``min(|y_w|, |y_l|)`` tokens of each
+    completion (the length both completions of the pair share), ``alpha`` for the longer completion's tail.
+
+    Liu et al. 2024, "Length Desensitization in Direct Preference Optimization", arXiv:2409.06411, the
+    length-desensitised likelihood of its method section (Sec. 4):
+    ``log pi_hat(y|x) = sum_{t <= l_p} log p_t + alpha * sum_{t > l_p} log p_t`` with ``l_p = min(|y_w|, |y_l|)``.
+    Device ops only (``index_add`` / ``cumsum``): no host sync. Shape ``[N]`` (``batch.completion_positions``),
+    float64 so that ``alpha`` is exact (cast to the log-probs' dtype where it is applied).
+    """
+    sequences = batch.sequence_index.reshape(-1).index_select(0, batch.completion_positions)
+    n = batch.num_sequences
+    ones = torch.ones_like(sequences, dtype=torch.float64)
+    counts = torch.zeros(n + 1, dtype=torch.float64, device=ones.device).index_add_(0, sequences, ones)[:n]
+    starts = counts.cumsum(0) - counts
+    rank = torch.arange(sequences.shape[0], device=ones.device, dtype=torch.float64) - starts[sequences]
+    shared = torch.minimum(*split_pairs(counts)).repeat_interleave(2)
+    return torch.where(rank < shared[sequences], ones, ones * alpha)
+
+
+def with_length_desensitization(batch: PackedPairBatch, alpha: float | None) -> PackedPairBatch:
+    """``batch`` carrying the LD-DPO token weights for ``alpha`` (unchanged for None)."""
+    if alpha is None:
+        return batch
+    return replace(batch, token_weights=length_desensitized_weights(batch, alpha))
+
+
+def padded_sequence_logps(model: torch.nn.Module, batch: PaddedPairBatch) -> torch.Tensor:
+    """Reference path: full logits of ``2n`` padded rows, ``log_softmax``, masked sum per row.
+
+    Args:
+        model: Causal LM with any attention implementation that honours a 2D ``attention_mask`` (sdpa, eager).
+        batch: Padded micro-batch on the model's device.
+
+    Returns:
+        ``[2n]`` float32 log-probs in the same order as :func:`packed_sequence_logps`.
+    """
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logps = logits.to(_acc_dtype(logits.dtype)).log_softmax(dim=-1)
+    targets = batch.labels.clamp(min=0)[..., None]
+    token_logps = logps.gather(-1, targets).squeeze(-1)
+    return (token_logps * batch.completion_mask).sum(dim=-1)
+
+
+__all__ = [
+    "DEFAULT_CHUNK_SIZE",
+    "IGNORE_INDEX",
+    "TOKEN_STATS",
+    "SequenceLogps",
+    "check_supported_head",
+    "chunked_token_logps",
+    "in_forward_token_logps",
+    "module_chunked_token_logps",
+    "length_desensitized_weights",
+    "naive_token_logps",
+    "naive_token_stats",
+    "packed_hidden_states",
+    "packed_policy_logps",
+    "packed_sequence_logps",
+    "padded_sequence_logps",
+    "sequence_logps_from_tokens",
+    "with_length_desensitization",
+]

@@ -1,0 +1,139 @@
+"""Which reference options fit the run: the objectives (a reference-free run has no reference to configure), the pin
+format, and the launch (DeepSpeed, FSDP2, a PEFT policy whose reference is itself with adapters disabled).
+
+:func:`reference_option_problems` needs only the config; :func:`reference_run_problems` needs what the Accelerator
+knows. Both are collected by ``training.checks`` with the other features' checks and raised once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.errors import Problem
+from pair_dpo_trainer.integrity.layout import is_pinned_revision
+from pair_dpo_trainer.losses.registry import no_reference_reason, uses_reference
+from pair_dpo_trainer.reference.deepspeed import reference_zero_stage_problems
+from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
+
+
+def reference_option_problems(args: PairDPOConfig) -> list[Problem]:
+    """Reference options that contradict the objectives, and a revision that is not a full commit."""
+    problems: list[Problem] = []
+    if not uses_reference(args.loss_type, reference_free=args.reference_free):
+        reason = no_reference_reason(args.loss_type, reference_free=args.reference_free)
+        if args.ref_model_name_or_path or args.ref_model_revision:
+            problems.append(
+                (
+                    "reference_conflict",
+                    f"{reason} builds no reference: remove ref_model_name_or_path / ref_model_revision, or use a "
+                    "loss_type with a reference and reference_free=False.",
+                )
+            )
+        if args.precompute_ref_log_probs:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    f"precompute_ref_log_probs=True has nothing to precompute with {reason} (no reference log-probs "
+                    "are used): set precompute_ref_log_probs=False.",
+                )
+            )
+    if args.ref_model_revision is not None and not is_pinned_revision(args.ref_model_revision):
+        problems.append(
+            (
+                "revision_not_pinned",
+                f"ref_model_revision={args.ref_model_revision!r}: give the full 40-hex lowercase commit (branch "
+                "names, tags and short SHAs move or are ambiguous).",
+            )
+        )
+    return problems
+
+
+def adapter_disabled_reference(args: PairDPOConfig, *, peft_policy: bool, ref_model_given: bool) -> bool:
+    """Whether the reference is the PEFT policy with its adapters disabled (no separate model)."""
+    return (
+        uses_reference(args.loss_type, reference_free=args.reference_free)
+        and not ref_model_given
+        and not args.ref_model_name_or_path
+        and peft_policy
+    )
+
+
+def reference_run_problems(
+    args: PairDPOConfig,
+    *,
+    deepspeed_config: Mapping[str, Any] | None,
+    fsdp: bool,
+    peft_policy: bool,
+    ref_model_given: bool,
+) -> list[Problem]:
+    """The reference options that do not fit this run (what ``reference.build`` would otherwise ignore or fail on)."""
+    deepspeed = deepspeed_config is not None
+    peft_reference = adapter_disabled_reference(args, peft_policy=peft_policy, ref_model_given=ref_model_given)
+    problems: list[Problem] = []
+    if not uses_reference(args.loss_type, reference_free=args.reference_free) and ref_model_given:
+        reason = no_reference_reason(args.loss_type, reference_free=args.reference_free)
+        problems.append(("reference_conflict", f"{reason} builds no reference: do not pass ref_model."))
+    if args.ref_offload_params and not deepspeed and not fsdp:
+        problems.append(
+            (
+                "unsupported_combination",
+                "ref_offload_params=True offloads the parameters of a sharded reference (DeepSpeed ZeRO-3 or FSDP2), "
+                "but this run uses neither: launch with a ZeRO-3 or FSDP2 config, or leave ref_offload_params unset.",
+            )
+        )
+    problems.extend(fsdp_reference_problems(args, fsdp=fsdp, peft_reference=peft_reference))
+    if args.ref_zero_stage is not None and not deepspeed:
+        problems.append(
+            (
+                "unsupported_combination",
+                f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
+                "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
+            )
+        )
+    if (
+        deepspeed_config is not None
+        and uses_reference(args.loss_type, reference_free=args.reference_free)
+        and not peft_reference
+    ):
+        problems.extend(
+            reference_zero_stage_problems(
+                deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
+            )
+        )
+    if args.sync_ref_model and (deepspeed or fsdp):
+        problems.append(
+            (
+                "unsupported_combination",
+                "sync_ref_model=True (TR-DPO) mixes whole policy weights into an in-process reference; under DeepSpeed "
+                "the reference is its own engine and under FSDP2 both are sharded: train without DeepSpeed / FSDP2 "
+                "(single process or DDP), or set sync_ref_model=False.",
+            )
+        )
+    if peft_reference:
+        problems.extend(_adapter_disabled_reference_problems(args))
+    return problems
+
+
+def _adapter_disabled_reference_problems(args: PairDPOConfig) -> list[Problem]:
+    problems: list[Problem] = []
+    if args.sync_ref_model:
+        problems.append(
+            (
+                "unsupported_combination",
+                "sync_ref_model=True (TR-DPO) mixes the policy into a separate reference, but a PEFT policy's "
+                "reference is the policy itself with its adapters disabled: set ref_model_name_or_path, or "
+                "sync_ref_model=False.",
+            )
+        )
+    if args.ref_zero_stage is not None or args.ref_offload_params or args.ref_fsdp_shard is not None:
+        problems.append(
+            (
+                "unsupported_combination",
+                "the reference of a PEFT policy is the policy itself with its adapters disabled, so ref_zero_stage, "
+                "ref_fsdp_shard and ref_offload_params do not apply: unset them, or set ref_model_name_or_path for a "
+                "separate reference.",
+            )
+        )
+    return problems

@@ -1,0 +1,90 @@
+"""The one point where every option check is collected and raised once, at trainer start.
+
+``PairDPOConfig`` checks each option's own range when it is built. The checks that need a feature's knowledge live
+with the feature (``losses.checks``, ``reference.checks``, ``modeling.attention``, ``modeling.compile``,
+``parallel.zero3``, ``parallel.fsdp2``); this module only collects them: :func:`check_config` before anything is
+loaded (``PairDPOTrainer.__init__`` and ``train.py``), :func:`run_problems` right after the Accelerator exists
+(the DeepSpeed configuration, the FSDP2 plugin, the process group, the policy, the resolved attention kernel). Each
+raises one :class:`~pair_dpo_trainer.errors.ConfigError` whose ``.problems`` lists every ``(reason_code, message)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.errors import Problem, raise_problems
+from pair_dpo_trainer.losses.checks import loss_problems
+from pair_dpo_trainer.modeling.attention import attn_backend_problems
+from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
+from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
+from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
+from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
+
+
+def config_problems(args: PairDPOConfig) -> list[Problem]:
+    """Every ``(reason_code, message)`` of the features' checks that need only the config."""
+    problems: list[Problem] = [*loss_problems(args), *reference_option_problems(args)]
+    problems.extend(attn_backend_problems(args.attn_backend))
+    compile_mode = compile_mode_problem(args.torch_compile_mode)
+    if compile_mode is not None:
+        problems.append(("unsupported_combination", compile_mode))
+    leaf_problem = zero3_leaf_modules_problem(args.zero3_leaf_modules)
+    if leaf_problem is not None:
+        problems.append(("bad_zero3_leaf_modules", leaf_problem))
+    return problems
+
+
+def check_config(args: PairDPOConfig) -> None:
+    """Raises every problem of :func:`config_problems` at once (nothing when there is none).
+
+    Raises:
+        ConfigError: the problem's own code, or ``invalid_config`` for several.
+    """
+    raise_problems(config_problems(args), what="PairDPOConfig")
+
+
+@dataclass(frozen=True)
+class RunSetup:
+    """What the runtime checks read besides the config.
+
+    Attributes:
+        deepspeed_config: The run's DeepSpeed configuration (None without DeepSpeed).
+        fsdp_plugin: The run's FSDP2 plugin (None without FSDP), not yet installed.
+        process_group: Whether ``torch.distributed`` is initialised.
+        peft_policy: Whether the policy is a ``peft.PeftModel``.
+        ref_model_given: Whether the user passed ``ref_model``.
+        attn_backend: The attention kernel ``enable_pair_varlen`` resolved (``"sdpa_segments"``, ...).
+        zero3: Whether the policy runs under DeepSpeed ZeRO stage 3.
+    """
+
+    deepspeed_config: Mapping[str, Any] | None
+    fsdp_plugin: Any
+    process_group: bool
+    peft_policy: bool
+    ref_model_given: bool
+    attn_backend: str
+    zero3: bool
+
+
+def run_problems(args: PairDPOConfig, setup: RunSetup) -> list[Problem]:
+    """Every ``(reason_code, message)`` for option combinations this run's runtime does not support."""
+    problems: list[Problem] = []
+    if setup.fsdp_plugin is not None:
+        problems.extend(fsdp2_problems(setup.fsdp_plugin, args, process_group=setup.process_group))
+    problems.extend(zero3_leaf_problems(args.zero3_leaf_modules, zero3=setup.zero3, peft=setup.peft_policy))
+    problems.extend(
+        reference_run_problems(
+            args,
+            deepspeed_config=setup.deepspeed_config,
+            fsdp=setup.fsdp_plugin is not None,
+            peft_policy=setup.peft_policy,
+            ref_model_given=setup.ref_model_given,
+        )
+    )
+    problems.extend(
+        compile_problems(torch_compile=args.torch_compile, zero3=setup.zero3, attn_backend=setup.attn_backend)
+    )
+    return problems

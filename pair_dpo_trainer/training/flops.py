@@ -1,0 +1,24 @@
+"""The FLOP count the Trainer reports (``floating_point_ops``): 6 N per token for the policy's forward and backward,
+2 N per token for each gradient-free forward (the reference, AOT's pre-pass), N the non-embedding parameters."""
+
+from __future__ import annotations
+
+import torch
+
+
+def non_embedding_parameters(model: torch.nn.Module) -> int:
+    """Parameters outside ``nn.Embedding`` modules, counting a ZeRO-3 partitioned parameter at its full size."""
+    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embedding)
+
+
+def flops_per_token_per_parameter(*, reference_forward: bool, prepass: bool) -> int:
+    """FLOPs per token and parameter of one training micro-batch: 6 for the policy, +2 for an online reference
+    forward, +2 (policy) and +2 more (reference) for a gradient-free pre-pass over the step (AOT's sort).
+
+    Example:
+        >>> flops_per_token_per_parameter(reference_forward=True, prepass=False)
+        8
+    """
+    ref = 2 if reference_forward else 0
+    return 6 + ref + ((2 + ref) if prepass else 0)

@@ -1,0 +1,28 @@
+"""The train schedule of a run: the pair-atomic sampler its config asks for (a fixed micro-batch count or a token
+budget), on this rank."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
+
+
+def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler | PairStepSampler:
+    """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
+    them), or whole steps when ``max_tokens_per_microbatch`` is set.
+
+    Args:
+        costs: ``[N]`` pair costs of the train dataset.
+        args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
+    """
+    layout = {
+        "world_size": args.world_size,
+        "rank": args.process_index,
+        "pairs_per_rank": args.pairs_per_rank_per_step,
+        "seed": args.data_seed if args.data_seed is not None else args.seed,
+    }
+    if args.max_tokens_per_microbatch is None:
+        return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
+    return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)

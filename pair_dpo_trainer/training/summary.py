@@ -1,0 +1,83 @@
+"""The one-line run summary printed on stdout when training starts (rank 0): what runs, in plain words."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.losses.registry import uses_reference
+
+
+def reference_mode(args: PairDPOConfig, source: Any) -> str:
+    """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``), and
+    ``replicated (ref_zero_stage=0)`` when asked for."""
+    if not uses_reference(args.loss_type, reference_free=args.reference_free):
+        return "reference-free"
+    mode = "precomputed" if args.precompute_ref_log_probs else "online"
+    revision = getattr(source, "revision", None)
+    replicated = ", replicated (ref_zero_stage=0)" if getattr(args, "ref_zero_stage", None) == 0 else ""
+    return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
+
+
+def _microbatches(args: PairDPOConfig) -> str:
+    """How a rank's pairs of a step are split: a fixed count, or the token budget (``pad_to_budget`` noted)."""
+    budget = getattr(args, "max_tokens_per_microbatch", None)
+    if budget is None:
+        return f"{args.gradient_accumulation_steps} micro-batches"
+    padded = ", padded to it" if getattr(args, "pad_to_budget", False) else ""
+    return f"micro-batches of <= {budget} tokens{padded}"
+
+
+def run_summary(
+    args: PairDPOConfig,
+    *,
+    attn_backend: str,
+    source: Any,
+    zero3_leaf_classes: tuple[str, ...] = (),
+    fsdp2: bool = False,
+) -> str:
+    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, the
+    ZeRO-3 leaf module classes when there are any, and FSDP2 with the reference's layout when it runs.
+
+    Example:
+        ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
+        reference online, verified revision fc70...``
+    """
+    per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
+    leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
+    if fsdp2:
+        layout = "replicated (ref_fsdp_shard=False)" if getattr(args, "ref_fsdp_shard", None) is False else "sharded"
+        no_model = (
+            not uses_reference(args.loss_type, reference_free=args.reference_free) or args.precompute_ref_log_probs
+        )
+        leaves += " | FSDP2" + ("" if no_model else f", reference {layout}")
+    return (
+        f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
+        f"{_microbatches(args)}) | attention {attn_backend} | "
+        f"reference {reference_mode(args, source)} | loss {objective_summary(args)}, beta={args.beta}{leaves}"
+    )
+
+
+def objective_summary(args: PairDPOConfig) -> str:
+    """``sigmoid``, or a mixture as ``0.8*sigmoid + 0.2*bco_pair + 1*sft``, plus the per-token options in use."""
+    names = list(args.loss_type)
+    weights = args.loss_weights
+    if len(names) == 1 and weights is None:
+        text = names[0]
+    else:
+        factors = weights if weights is not None else [1.0] * len(names)
+        text = " + ".join(f"{w:g}*{name}" for w, name in zip(factors, names, strict=True))
+    options = [
+        ("use_weighting", args.use_weighting),
+        ("ld_alpha", args.ld_alpha),
+        ("sync_ref_model", args.sync_ref_model),
+    ]
+    extra = [f"{key}={value}" for key, value in options if value not in (None, False)]
+    if args.f_divergence_type != "reverse_kl":
+        extra.append(f"f_divergence_type={args.f_divergence_type}")
+    return text + (f" ({', '.join(extra)})" if extra else "")
+
+
+def announce_run(args: PairDPOConfig, **details: Any) -> None:
+    """Prints :func:`run_summary` on stdout (the line a user reads in the launcher's log); rank 0 calls it."""
+    print(run_summary(args, **details), flush=True)
