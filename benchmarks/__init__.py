@@ -9,7 +9,7 @@ Run from the repository root (no install, no ``sys.path`` edits)::
 Modules: ``run`` (the runner), ``suites`` (every suite as data: runs with tags, ratios), ``dpo`` (our trainer on the
 comparison workload), ``trl_dpo`` (TRL's DPOTrainer on the same workload; optional, needs ``trl``), ``workload`` (the
 shared model sizes and pair draws), ``ceiling`` (raw-loop ceilings), ``rows`` (row fields and the step probe),
-``report`` (markdown table, per-GPU ratios), ``profile_summary``, ``sampler``, ``integrity``, ``cudagraph_probe``,
-``nccl_faults``; ``tools/`` holds the demo-asset generator, the random-model writer and the loss-curve plot.
-See docs/benchmarks_howto.md.
+``report`` (markdown table, per-GPU ratios), ``profile_summary``, ``sampler``, ``integrity``, ``cudagraph_probe``;
+``tools/`` holds the random-model writer and the loss-curve plot; ``tests/`` tests all of it on the CPU. The
+benchmarks import the package, never ``tests/``. See docs/benchmarks_howto.md.
 """

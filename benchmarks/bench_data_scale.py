@@ -1,4 +1,4 @@
-"""Data at scale (issue 20): ``prepare-data`` speed per worker count, and the trainer's memory and tokenisation CPU
+"""Data at scale: ``prepare-data`` speed per worker count, and the trainer's memory and tokenisation CPU
 time per rank with 1k vs 1M raw pairs.
 
 Subcommands (all with the bundled tiny-llama tokenizer; numbers go to docs/benchmarks.md, never into tests)::
@@ -31,8 +31,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[1]  # the repository root, put on the trainer subprocesses' PYTHONPATH
 
 PAIR_COLUMNS = ("prompt", "chosen", "rejected")
 

@@ -16,11 +16,10 @@ from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.samplers import PairStepSampler
+from pair_dpo_trainer.trainer import PairDPOTrainer
 
-BenchTrainer = Any  # dpo.BenchTrainer (a PairDPOTrainer); not imported: dpo imports this module
 
-
-def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[list[Any]]:
+def _step_batches(trainer: PairDPOTrainer, total_steps: int) -> list[list[Any]]:
     """Per optimizer step, on the device: ALL pairs this rank's schedule gives the step as ONE packed row; with a
     token budget the step's micro-batch rows as the trainer ran them (each ``<= max_tokens_per_microbatch``)."""
     args = trainer.args
@@ -40,7 +39,7 @@ def _step_batches(trainer: BenchTrainer, total_steps: int) -> list[list[Any]]:
     return batches
 
 
-def _free_training_state(trainer: BenchTrainer) -> None:
+def _free_training_state(trainer: PairDPOTrainer) -> None:
     """Drops the optimizer state and cached blocks so the ceiling's peak memory is its own."""
     trainer.optimizer = None
     trainer.lr_scheduler = None
@@ -52,7 +51,7 @@ def _free_training_state(trainer: BenchTrainer) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def shape_batches(trainer: BenchTrainer, docs: int, length: int, steps: int, seed: int) -> list[Any]:
+def shape_batches(trainer: PairDPOTrainer, docs: int, length: int, steps: int, seed: int) -> list[Any]:
     """Per step: ``docs`` random documents of exactly ``length`` tokens packed into ONE row on the device.
 
     Built with the trainer's own collator as ``docs / 2`` pairs of a 1-token prompt and two ``length - 1``-token
@@ -77,7 +76,7 @@ def shape_batches(trainer: BenchTrainer, docs: int, length: int, steps: int, see
     return batches
 
 
-def compile_for_ceiling(args: argparse.Namespace, trainer: BenchTrainer) -> int:
+def compile_for_ceiling(args: argparse.Namespace, trainer: PairDPOTrainer) -> int:
     """With ``--compile``: compiles the policy's and the reference's decoder layers in place with the trainer's
     options (``compile_decoder_layers``; idempotent, so layers the trainer compiled in ``train()`` stay as they
     are); returns the number of layers compiled now. The graphs themselves are built in the first warmup step."""
@@ -92,7 +91,7 @@ def compile_for_ceiling(args: argparse.Namespace, trainer: BenchTrainer) -> int:
 
 
 def raw_loop(
-    ctx: dict[str, Any], trainer: BenchTrainer, batches: list[list[Any]]
+    ctx: dict[str, Any], trainer: PairDPOTrainer, batches: list[list[Any]]
 ) -> tuple[list[float], dict[str, Any]]:
     """Times each step (a list of packed rows): policy ``packed_sequence_logps`` forward + backward and the reference's
     no-grad forward of every row under bf16 autocast, CUDA sync around each step; no Trainer, NO optimizer step, no
@@ -127,7 +126,7 @@ def raw_loop(
     return dts[args.warmup :], extra
 
 
-def run_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
+def run_ceiling(ctx: dict[str, Any], trainer: PairDPOTrainer) -> dict[str, Any]:
     """Raw loop (:func:`raw_loop`), same model and same real tokens per step in ONE packed row (all pairs this rank's
     schedule gives each step, concatenated), or with a budget in the step's micro-batch rows; policy forward +
     backward and the reference's no-grad forward."""
@@ -154,7 +153,7 @@ def _real_tokens(batch: Any) -> int:
     return int(batch.cu_seqlens[batch.num_sequences])
 
 
-def run_shape_ceiling(ctx: dict[str, Any], trainer: BenchTrainer) -> dict[str, Any]:
+def run_shape_ceiling(ctx: dict[str, Any], trainer: PairDPOTrainer) -> dict[str, Any]:
     """The issue's packed ceiling: :func:`raw_loop` on ``--ceiling-shape DOCSxLEN`` rows (:func:`shape_batches`,
     fresh random documents every step), same model, reference, autocast and compile as the other ceiling; no
     optimizer step (as :func:`run_ceiling`). Real tokens per step = DOCS x LEN (each document once)."""

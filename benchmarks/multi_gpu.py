@@ -1,5 +1,5 @@
-"""Multi-GPU suites beside the ZeRO-3 history of ``suites.py``: the DPO defaults and every launch path, NCCL faults,
-and the scaling suites of issue 19 (ZeRO-3 and FSDP2 with token-budget micro-batches at DP = 1, 2, 4, 8).
+"""Multi-GPU suites beside the ZeRO-3 ones of ``suites.py``: the DPO defaults and every launch path, NCCL faults,
+and the scaling suites (ZeRO-3 and FSDP2 with token-budget micro-batches at DP = 1, 2, 4, 8).
 
 Scaling: every suite runs the same workload: the 1.5B random-init Llama, 32 pairs per GPU per optimizer step packed into
 micro-batches of at most 16,384 tokens (GA 1), on the standard (TRL) and the heavy-tailed mix. For each mix, one
@@ -81,7 +81,7 @@ def launch_and_fault_suites() -> tuple[Suite, ...]:
         "after the same step with a checkpoint (exit 75)",
         gpus=2,
         deadline_s=540,
-        runs=(Run("nccl_faults", "module", ("benchmarks.nccl_faults",), timeout_s=520, log="nccl_faults.log"),),
+        runs=(Run("nccl_faults", "module", ("pytest", "-q", "-m", "gpu", "tests/test_nccl_faults.py"), timeout_s=520, log="nccl_faults.log"),),
         look_for='nccl_faults.jsonl: "ok": true on every line; rank0_exit_after_s a little above 30 for the stalls',
     )
     return paths, faults
@@ -116,7 +116,7 @@ def scaling_suite(dp: int) -> Suite:
     pairs = [f"{name}_{mix}/base_{mix}" for mix in ("heavy", "std") for name in SHARDED]
     return Suite(
         name=KINDS[dp],
-        summary=f"{dp}x H200 (issue 19): 1.5B, 32 pairs/GPU/step in <= 16k-token micro-batches, std and heavy mixes: "
+        summary=f"{dp}x H200: 1.5B, 32 pairs/GPU/step in <= 16k-token micro-batches, std and heavy mixes: "
         "ZeRO-3 (ref_zero_stage 0 and 3) and FSDP2 per-GPU throughput as a fraction of one unsharded GPU",
         gpus=dp,
         deadline_s=590,
@@ -129,10 +129,10 @@ def scaling_suite(dp: int) -> Suite:
 
 
 def large_model_suite(dp: int) -> Suite:
-    """The 8B-shape rows on a machine with ``dp`` GPUs (issue 19 asks for the largest kind lent)."""
+    """The 8B-shape rows on a machine with ``dp`` GPUs (run on the largest kind lent)."""
     return Suite(
         name=f"h200x{dp}-large",
-        summary=f"{dp}x H200 (issue 19): an 8B-shape model (does not fit one GPU with its reference and Adam state) "
+        summary=f"{dp}x H200: an 8B-shape model (does not fit one GPU with its reference and Adam state) "
         "under ZeRO-3 (ref_zero_stage 3) and FSDP2: tokens/s/GPU, MFU (8N), peak memory per rank",
         gpus=dp,
         deadline_s=590,

@@ -187,7 +187,7 @@ def _token_budget() -> Suite:
     x = EXPANDABLE
     return Suite(
         name="h200-token-budget",
-        summary="1x H200 (issue 15): token-budget micro-batches vs fixed GA on the heavy and TRL mixes, padded to the "
+        summary="1x H200: token-budget micro-batches vs fixed GA on the heavy and TRL mixes, padded to the "
         "budget, expandable_segments on/off, compiled budget vs its ceiling, the CUDA-graph probe",
         gpus=1,
         deadline_s=470,
@@ -258,7 +258,7 @@ def _fsdp2() -> Suite:
             "--report_to", "none", "--disable_tqdm", "true")  # fmt: skip
     return Suite(
         name="h200-fsdp2",
-        summary="1x H200 (issue 17): FSDP2 at world size 1 beside the non-FSDP run; train.py under FSDP2 and its "
+        summary="1x H200: FSDP2 at world size 1 beside the non-FSDP run; train.py under FSDP2 and its "
         "resume from checkpoint-10; a compiled FSDP2 run with the time left",
         gpus=1,
         deadline_s=250,
@@ -520,7 +520,7 @@ def _objectives() -> Suite:
 
 
 def _data_scale() -> tuple[Suite, Suite]:
-    """Issue 20's targets on the GPU machine's 16 cores (CPU work only: no GPU is touched): prepare-data's speed-up,
+    """The data-at-scale targets on the GPU machine's 16 cores (CPU work only: no GPU is touched): prepare-data's speed-up,
     then the trainer's memory per rank with 1M raw pairs."""
 
     def step(tag: str, timeout_s: int, *args: str) -> Run:

@@ -1,7 +1,6 @@
 """The TRL side of the comparison: TRL's ``DPOTrainer`` on the same workload as ``dpo.py`` (a peer, never a dependency).
 
-Re-expresses the project's former TRL baseline script (``trl_dpo_baseline.py``, kept outside the repository until
-issue 18) inside the benchmark package, with the same flags, timing and ``RESULT`` fields: a random-init Llama of
+TRL's side of every comparison, with the same flags, timing and ``RESULT`` fields: a random-init Llama of
 ``--model-size`` (``254m`` by default, the baseline's model; ``tiny`` with ``--tiny``), bf16 weights, ``bf16`` on CUDA,
 no gradient checkpointing, ``--bs`` pairs per GPU per step, ``max_length`` 2048, seed 0; the pairs of
 ``workload.make_pairs`` (``(warmup + steps + 2) * bs * world`` of them) in TRL's pre-tokenised column layout; a

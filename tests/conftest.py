@@ -1,4 +1,4 @@
-"""Test-wide fixtures: every test gets its own tokenised-pairs cache (issue 20), so no test sees another's entries."""
+"""Test-wide fixtures: every test gets its own tokenised-pairs cache, so no test sees another's entries."""
 
 from __future__ import annotations
 

@@ -30,7 +30,8 @@ from pair_dpo_trainer import PairDPOTrainer, ScheduleError
 from pair_dpo_trainer.parallel.collectives import end_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs  # noqa: E402
+from tests.models import tiny_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 64
 GLOBAL_PAIRS = 8

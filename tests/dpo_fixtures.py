@@ -1,49 +1,11 @@
-"""Shared builders for trainer tests: a tiny random Llama and synthetic tokenised pairs (no files, no downloads)."""
+"""Shared builders for trainer tests: synthetic tokenised pairs and configs (no files, no downloads); the tiny models
+are in :mod:`tests.models`."""
 
 from __future__ import annotations
 
 import random
 
-import torch
-from tokenizers import Tokenizer, models
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-VOCAB = 64
-EOS = 2
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer GQA Llama, float32, identical for a given seed on every process."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        eos_token_id=EOS,
-        pad_token_id=0,
-        bos_token_id=1,
-    )
-    return LlamaForCausalLM(config).float()
-
-
-def tiny_lora_llama(seed: int = 0) -> torch.nn.Module:
-    """:func:`tiny_llama` with LoRA adapters on ``q_proj`` / ``v_proj`` (rank 4, no dropout, B = 0: the policy equals
-    its adapter-disabled reference at step 0). Needs ``peft``."""
-    import peft
-
-    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    return peft.get_peft_model(tiny_llama(seed), config)
-
-
-def tiny_tokenizer() -> PreTrainedTokenizerFast:
-    """A tokenizer object for the Trainer's bookkeeping (pairs are given as token ids)."""
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t3"))
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t2", pad_token="t0", bos_token="t1")
+from tests.models import EOS, VOCAB
 
 
 def synthetic_pairs(n: int, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -141,36 +103,3 @@ def random_features(
         }
         for _ in range(n)
     ]
-
-
-def block_mask_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """``torch.nn.attention.varlen.varlen_attn`` semantics with dense SDPA and a block-causal mask (traceable, CPU)."""
-    import torch.nn.functional as F
-
-    n = q.shape[0]
-    pos = torch.arange(n, device=q.device)
-    seg = torch.searchsorted(cu_q[1:].to(torch.int64), pos, right=True)
-    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
-    if window_size[0] >= 0:
-        mask &= (pos[:, None] - pos[None, :]) <= window_size[0]
-    groups = q.shape[1] // k.shape[1]
-    k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
-    )
-    return out.transpose(0, 1)
-
-
-def install_traceable_varlen(monkeypatch) -> str:
-    """Makes attention backend ``torch_varlen`` available on the CPU with :func:`block_mask_varlen_attn` as its kernel
-    (undone by ``monkeypatch``); returns the backend name."""
-    from pair_dpo_trainer.modeling import attention
-
-    monkeypatch.setattr(attention, "_RESOLVED", {})
-    monkeypatch.setitem(attention._KERNELS, "torch_varlen", block_mask_varlen_attn)
-    monkeypatch.setitem(attention._GQA_KWARGS, "torch_varlen", True)
-    real = attention._unavailable_reason
-    monkeypatch.setattr(
-        attention, "_unavailable_reason", lambda b, d, t: None if b == "torch_varlen" else real(b, d, t)
-    )
-    return "torch_varlen"

@@ -46,7 +46,8 @@ from pair_dpo_trainer.collators.packed import PackedPairCollator  # noqa: E402
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
 from pair_dpo_trainer.parallel.gather import gathered_named_parameters  # noqa: E402
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs  # noqa: E402
+from tests.models import tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48
 GLOBAL_PAIRS = 8

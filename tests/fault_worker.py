@@ -42,7 +42,8 @@ from transformers import TrainerCallback
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer import PairDPOTrainer  # noqa: E402
 from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer  # noqa: E402
+from tests.dpo_fixtures import cpu_config, synthetic_pairs  # noqa: E402
+from tests.models import tiny_llama, tiny_tokenizer  # noqa: E402
 
 GLOBAL_PAIRS = 8
 GA = 2
@@ -169,7 +170,7 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
     )
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
-    if spec.get("gpu") and torch.cuda.is_available():  # benchmarks/nccl_faults.py: NCCL, one GPU per rank
+    if spec.get("gpu") and torch.cuda.is_available():  # tests/test_nccl_faults.py: NCCL, one GPU per rank
         options.update(use_cpu=False, attn_backend="sdpa_segments")
     if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: launch.resolve_use_cpu still forms one job
         options["use_cpu"] = spec["use_cpu"]

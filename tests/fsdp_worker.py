@@ -22,7 +22,6 @@ Each phase writes its result under OUT_DIR; the test compares them with single-p
   pinned: policy and reference from a pinned snapshot (verified, identity pinned); a changed snapshot is refused on
       resume (``reference_changed``, the manifest).
   gc: the Trainer's gradient checkpointing (transformers' per-layer checkpointing) under FSDP2.
-  bench: ``benchmarks.dpo --tiny --ref-fsdp-shard false`` (the flag plumbing of the ``h200-fsdp2`` suite).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
 from pair_dpo_trainer.parallel.gather import CHECKPOINT_WRAPPER_PREFIX  # noqa: E402
-from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_lora_llama  # noqa: E402
+from tests.dpo_fixtures import synthetic_pairs  # noqa: E402
 from tests.ds_worker import (  # noqa: E402
     LOGPS_CHUNK,
     build_trainer,
@@ -51,6 +50,7 @@ from tests.ds_worker import (  # noqa: E402
     resume_reweighted,
     run_failing,
 )
+from tests.models import tiny_llama, tiny_lora_llama  # noqa: E402
 
 # The ZeRO-3 worker's run (tests/ds_worker.py): 48 pairs, 6 steps of 8 pairs in 2 micro-batches per rank, fp32, no
 # clipping, log-prob chunks of 7 tokens (ranks project different numbers of chunks: the sharded head must still be
@@ -218,9 +218,9 @@ def run_full_state(out_dir: Path) -> dict[str, Any]:
 
 def run_compile(out_dir: Path) -> dict[str, Any]:
     """Regional compile (aot_eager) under FSDP2 against the same run in eager mode, both with a traceable varlen
-    kernel standing in for the CUDA one (``dpo_fixtures.install_traceable_varlen``)."""
+    kernel standing in for the CUDA one (``modeling.cpu_varlen.install_traceable_varlen``)."""
     from pair_dpo_trainer.modeling.compile import is_compiled
-    from tests.dpo_fixtures import install_traceable_varlen
+    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
 
     patch = _Patch()
     backend = install_traceable_varlen(patch)
@@ -283,20 +283,6 @@ def run_pinned(out_dir: Path, rank: int) -> dict[str, Any]:
     return result
 
 
-def run_bench(out_dir: Path) -> dict[str, Any]:
-    """``benchmarks.dpo --tiny`` under FSDP2 (the GPU script's world-size-1 run, here on 2 CPU ranks) with
-    ``--ref-fsdp-shard false``: the flag reaches the config and the row says what ran."""
-    from benchmarks import dpo as bench_dpo
-
-    results = out_dir / "bench.jsonl"
-    row = bench_dpo.main(
-        ["--tiny", "--tag", "fsdp2", "--ref-fsdp-shard", "false", "--ceiling", "--results", str(results)]
-        + ["--bs", "1", "--steps", "2", "--warmup", "1", "--max-length", "520"]
-    )
-    keys = ("fsdp2", "reference_fsdp", "fsdp_param_dtype", "deepspeed", "world", "steps_timed", "real_tok_s_gpu")
-    return {key: row.get(key) for key in keys}
-
-
 def main() -> None:
     out_dir = Path(sys.argv[1])
     rank = int(os.environ["RANK"])
@@ -333,7 +319,6 @@ def main() -> None:
     timed("eval_first", run_failing, out_dir, "eval_first", evaluate=synthetic_pairs(8, seed=1))
     timed("peft_pre", run_failing, out_dir, "peft_pre", model=tiny_lora_llama(0), precompute_ref_log_probs=True)
     timed("pinned", run_pinned, out_dir, rank)
-    timed("bench", run_bench, out_dir)
     per_rank = {k: results[k] for k in ("tamper", "fsdp1", "eval_first", "peft_pre", "pinned")}
     per_rank["reference_logps"] = {k: results[k]["reference_logps"] for k in ("std", "replicated")}
     per_rank["reference"] = {k: results[k]["reference"] for k in ("std", "replicated")}

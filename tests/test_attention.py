@@ -9,7 +9,7 @@ import torch
 import transformers.masking_utils as masking_utils
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+from transformers import AttentionInterface
 
 from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.errors import ConfigError
@@ -23,24 +23,10 @@ from pair_dpo_trainer.modeling import (
 )
 from pair_dpo_trainer.modeling.logprobs import padded_sequence_logps
 from tests.dpo_fixtures import random_features
+from tests.models import SHARP_VOCAB
+from tests.models import sharp_llama as tiny_llama
 
-VOCAB = 101
-
-
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        initializer_range=0.2,
-    )
-    model = LlamaForCausalLM(config).float()
-    model.set_attn_implementation("sdpa")
-    return model
+VOCAB = SHARP_VOCAB
 
 
 def features(seed: int, n: int) -> list[dict[str, list[int]]]:

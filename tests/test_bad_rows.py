@@ -1,8 +1,8 @@
-"""Issue 14.7: one bad row never crashes a run.
+"""One bad row never crashes a run.
 
-A lone surrogate (``"\\ud800"``, valid JSON) is ``bad_text`` instead of a tokenizer ``TypeError``; JSON nested past
-the parser's limit is ``bad_json`` instead of a ``RecursionError``; the Arrow reader no longer deletes the surrogate
-(the row was accepted altered). ``prepare-data`` counts such rows, the trainer fails closed with the code, and the
+A lone surrogate (``"\\ud800"``, valid JSON) is ``bad_text``, not a tokenizer ``TypeError``; JSON nested past the
+parser's limit is ``bad_json``, not a ``RecursionError``; the Arrow reader keeps the surrogate (a row is never accepted
+altered). ``prepare-data`` counts such rows, the trainer fails closed with the code, and the
 JSON-lines and Arrow / parquet paths give the same verdict. A property test feeds arbitrary JSON values and unicode
 through normalise + tokenise: only ``PreferenceRowError`` may escape.
 """
@@ -31,7 +31,8 @@ from pair_dpo_trainer.data.tokenize import tokenize_dataset, tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import PreferenceRowError
-from tests.dpo_fixtures import cpu_config, tiny_llama
+from tests.dpo_fixtures import cpu_config
+from tests.models import tiny_llama
 
 GOOD = {"prompt": "sort ascending: 3 1 2", "chosen": "1 2 3", "rejected": "1 3 2"}
 # JSON text of rows, written as they are to the files (json.dumps would escape the surrogate the same way)

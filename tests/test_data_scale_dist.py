@@ -1,4 +1,4 @@
-"""Issue 20 with 2 real processes on one node (torchrun, gloo on CPU): only the local main tokenises and hashes the
+"""Data at scale with 2 real processes on one node (torchrun, gloo on CPU): only the local main tokenises and hashes the
 reference snapshot; the other rank waits, memory-maps the same Arrow files and checks the proof. One launch runs
 every phase (tests/data_scale_worker.py)."""
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from pair_dpo_trainer.integrity import parameter_digest
-from tests.dpo_fixtures import tiny_lora_llama
 from tests.ds_worker import STEPS, build_trainer, losses, run_budget
 from tests.launch import accelerate_launch
+from tests.models import tiny_lora_llama
 from tests.ports import free_port
 
 pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")

@@ -17,9 +17,9 @@ import torch
 import yaml
 
 from pair_dpo_trainer.integrity import parameter_digest
-from tests.dpo_fixtures import tiny_lora_llama
 from tests.fsdp_worker import CLIP, losses, tiny_tied_llama
 from tests.launch import accelerate_launch
+from tests.models import tiny_lora_llama
 from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +113,7 @@ def test_policy_and_reference_are_sharded_dtensors_and_the_reference_is_frozen_a
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_training_arguments_shard_the_policy_instead_of_training_ddp(fsdp2):
-    """``fsdp="full_shard"`` + ``fsdp_config={"fsdp_version": 2}`` on two CPU processes used to train as plain DDP
+    """``fsdp="full_shard"`` + ``fsdp_config={"fsdp_version": 2}`` on two CPU processes would train as plain DDP
     (Accelerate drops its FSDP plugin on the CPU) and exit 0: every parameter must be a DTensor holding a slice."""
     results, _, _ = fsdp2
     run = results["args_fsdp"]
@@ -363,7 +363,8 @@ def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_
 def test_without_fsdp_nothing_is_set_up_and_ref_fsdp_shard_is_refused(tmp_path):
     from pair_dpo_trainer import PairDPOTrainer
     from pair_dpo_trainer.errors import ConfigError
-    from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+    from tests.dpo_fixtures import cpu_config, synthetic_pairs
+    from tests.models import tiny_llama, tiny_tokenizer
 
     pairs, tokenizer = synthetic_pairs(8), tiny_tokenizer()
     trainer = PairDPOTrainer(tiny_llama(), cpu_config(tmp_path), train_dataset=pairs, processing_class=tokenizer)
@@ -392,7 +393,8 @@ def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked
     from pair_dpo_trainer.collators import PackedPairCollator
     from pair_dpo_trainer.modeling.attention import enable_pair_varlen
     from pair_dpo_trainer.modeling.logprobs import check_supported_head, in_forward_token_logps, packed_sequence_logps
-    from tests.dpo_fixtures import random_features, tiny_llama
+    from tests.dpo_fixtures import random_features
+    from tests.models import tiny_llama
 
     batch = PackedPairCollator()(random_features(3, 4, vocab=64, prompt_len=(2, 9), completion_len=(1, 8)))
     results = []
@@ -421,7 +423,7 @@ def test_identity_names_do_not_depend_on_activation_checkpointing_wrappers():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     from pair_dpo_trainer.parallel.gather import gathered_named_parameters
-    from tests.dpo_fixtures import tiny_llama
+    from tests.models import tiny_llama
 
     plain, wrapped = tiny_llama(0), tiny_llama(0)
     for index, layer in enumerate(wrapped.model.layers):
@@ -442,15 +444,6 @@ def test_the_run_summary_names_fsdp2_and_the_reference_layout(tmp_path):
         args, attn_backend="x", source=None, fsdp2=True
     )
     assert "FSDP2" not in run_summary(args, attn_backend="x", source=None)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_bench_dpo_runs_under_fsdp2_and_its_ref_fsdp_shard_flag_reaches_the_run(fsdp2):
-    row = fsdp2[0]["bench"]
-    assert row["fsdp2"] is True and row["deepspeed"] is False and row["world"] == 2
-    assert row["reference_fsdp"] == "replicated" and row["fsdp_param_dtype"] is None  # fp32 on the CPU
-    assert row["steps_timed"] == 2 and row["real_tok_s_gpu"] > 0
 
 
 @pytest.mark.distributed

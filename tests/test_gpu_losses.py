@@ -67,7 +67,8 @@ def test_chunked_head_statistics_cost_and_values() -> None:
 )
 def test_every_objective_trains_in_bf16_on_the_gpu(tmp_path, options) -> None:
     from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
-    from tests.dpo_fixtures import synthetic_pairs, tiny_llama, tiny_tokenizer
+    from tests.dpo_fixtures import synthetic_pairs
+    from tests.models import tiny_llama, tiny_tokenizer
 
     config = PairDPOConfig(
         output_dir=str(tmp_path),

@@ -19,31 +19,15 @@ from pair_dpo_trainer.modeling.logprobs import (
     padded_sequence_logps,
 )
 from tests.dpo_fixtures import random_features
+from tests.models import GPU_VOCAB, llama_100m
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-VOCAB = 32000
-
-
-def _llama_100m() -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=4096,
-    )
-    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
-    model.set_attn_implementation("sdpa")
-    return model
+VOCAB = GPU_VOCAB
+_llama_100m = llama_100m
 
 
 def _features(seed: int, n: int) -> list[dict[str, list[int]]]:

@@ -1,4 +1,4 @@
-"""Issue 13.1: the same length limits on every input path (raw rows, pre-tokenised rows, prepared directories).
+"""The same length limits on every input path (raw rows, pre-tokenised rows, prepared directories).
 
 The issue's scenario: with ``max_length=32, max_prompt_length=16`` no collated batch may hold a longer sequence or
 prompt, whatever the input path; pre-tokenised and prepared rows are truncated by the raw rows' rule; a prepared
@@ -29,7 +29,8 @@ from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, tokenize_pair
 from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.errors import ConfigError
-from tests.dpo_fixtures import cpu_config, tiny_llama
+from tests.dpo_fixtures import cpu_config
+from tests.models import tiny_llama
 
 MAX_LENGTH, MAX_PROMPT = 32, 16
 # The fingerprint of the bundled tokenizer (definition: pair_dpo_trainer/data/fingerprint.py). It changes only if

@@ -224,7 +224,7 @@ def test_wrapped_model_is_unwrapped_and_called() -> None:
     assert wrapper.calls == 1 and (got - ref).abs().max().item() < 1e-4
 
 
-# ---------------------------------------------------------------- per-token statistics and LD-DPO (issue 16, 13.8)
+# ---------------------------------------------------------------- per-token statistics and LD-DPO
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
 @pytest.mark.parametrize("chunk_size", [1, 7, 64])
 def test_chunked_stats_match_naive_and_leave_the_gradient_unchanged(dtype, tol, chunk_size) -> None:

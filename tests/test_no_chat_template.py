@@ -1,4 +1,4 @@
-"""Issue 13.6: a tokenizer without a chat template (a base model).
+"""A tokenizer without a chat template (a base model).
 
 Plain ``prompt`` / ``chosen`` / ``rejected`` strings are tokenised by concatenation, as TRL 1.16's non-conversational
 path does; message rows get ``no_chat_template`` naming the fix, in the trainer and in ``prepare-data``.

@@ -18,7 +18,8 @@ from pair_dpo_trainer.integrity import read_identity
 from pair_dpo_trainer.reference import NoReference
 from pair_dpo_trainer.reference.sync import SYNCED_REFERENCE_FILENAME
 from pair_dpo_trainer.training.objective_state import OBJECTIVE_STATE_FILENAME
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import other_architecture_llama, tiny_llama
 from tests.test_trainer import _trainer
 
 
@@ -72,7 +73,7 @@ def test_reference_free_objectives_build_no_reference_and_match_the_padded_formu
             assert metrics[f"eval_loss/{name}"] == pytest.approx(float(formulas[name].mean()), rel=1e-5)
 
 
-# ---------------------------------------------------------------- TRL's metrics (issue 13 item 8)
+# ---------------------------------------------------------------- TRL's metrics
 def test_eval_logs_trl_token_metrics_from_the_chunked_head(tmp_path):
     pairs = synthetic_pairs(12, seed=6)
     metrics = _trainer(tmp_path, pairs, ref_model=tiny_llama(1)).evaluate()
@@ -233,12 +234,7 @@ def test_tr_dpo_is_refused_where_there_is_no_separate_in_process_reference(tmp_p
     assert error.reason_code == "unsupported_combination" and "sync_ref_model" in str(error)
     error = runtime_error(args, peft_policy=True)  # PEFT: the reference is the policy with its adapters disabled
     assert error.reason_code == "unsupported_combination" and "PEFT" in str(error)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
-    )
-    other = LlamaForCausalLM(config)
+    other = other_architecture_llama()
     with pytest.raises(PairDPOError) as info:  # another architecture: refused when the reference is built
         _trainer(tmp_path, synthetic_pairs(8), ref_model=other, sync_ref_model=True)
     assert info.value.reason_code == "unsupported_combination" and "architecture" in str(info.value)

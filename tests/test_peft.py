@@ -14,7 +14,8 @@ from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference
 from pair_dpo_trainer.reference.peft import AdapterDisabledReference, is_peft_model
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 
 peft = pytest.importorskip("peft")
 

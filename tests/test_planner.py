@@ -238,7 +238,7 @@ def test_exact_step_has_no_drop():
     assert sorted(check_structure(plan, 32, 4, 8, 8)) == list(range(32))
 
 
-# --------------------------------------------------------------------------------------------- token budget (issue 15)
+# --------------------------------------------------------------------------------------------- token budget
 def heavy_mix(n: int, seed: int) -> np.ndarray:
     """bench_sampler.py's "heavy" mix: prompt clip(lognormal(log 300, 1), 16, 4096), completions
     clip(lognormal(log 150, 1.5), 8, 4096)."""

@@ -17,7 +17,8 @@ from pair_dpo_trainer.reference import manager as manager_module
 from pair_dpo_trainer.reference.deepspeed import reference_ds_config
 from pair_dpo_trainer.reference.precompute import PrecomputedReference, dataset_fingerprint
 from pair_dpo_trainer.training.checks import check_config
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 from tests.test_reference_gate import _reweight
 
 

@@ -1,4 +1,4 @@
-"""Issue 13.9: progress bars for the long silent steps (tokenising raw rows in the trainer, ``evaluate()``,
+"""Progress bars for the long silent steps (tokenising raw rows in the trainer, ``evaluate()``,
 ``prepare-data``), on rank 0 only and silent with ``disable_tqdm``; tqdm writes to stderr, captured here."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
 from tests.launch import torchrun
+from tests.models import tiny_llama, tiny_tokenizer
 from tests.ports import free_port
 
 

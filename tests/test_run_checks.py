@@ -8,7 +8,8 @@ import pytest
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.training.checks import check_config
-from tests.dpo_fixtures import cpu_config, runtime_error, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, runtime_error, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 
 
 def test_the_reference_engine_options_report_every_problem_not_the_first(tmp_path) -> None:

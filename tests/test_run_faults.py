@@ -154,9 +154,9 @@ def test_every_rank_refuses_when_the_main_process_finds_the_output_dir_in_use(tm
 @pytest.mark.distributed
 def test_ranks_launched_without_use_cpu_on_a_cpu_machine_form_one_job_and_one_checkpoint(tmp_path):
     """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine (torchrun without ``--use_cpu``): the
-    Trainer alone would make each process the main process of its own world-size-1 job, both writing one output_dir
-    (issue 14 item 2). ``config.launch.resolve_use_cpu`` joins them into one gloo job: both ranks train the same steps and
-    each checkpoint holds both ranks' RNG states."""
+     Trainer alone would make each process the main process of its own world-size-1 job, both writing one output_dir
+    . ``config.launch.resolve_use_cpu`` joins them into one gloo job: both ranks train the same steps and
+     each checkpoint holds both ranks' RNG states."""
     spec = run_spec(tmp_path, "run", max_steps=4, use_cpu=False)
     codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
     assert codes == [0, 0], logs(tmp_path / "run")

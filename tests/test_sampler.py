@@ -142,7 +142,7 @@ def test_errors():
     assert info.value.reason_code == "step_out_of_range"
 
 
-# --------------------------------------------------------------------------------------------- token budget (issue 15)
+# --------------------------------------------------------------------------------------------- token budget
 BUDGET = dict(world_size=3, pairs_per_rank=6, max_tokens_per_microbatch=6000, seed=5)
 
 

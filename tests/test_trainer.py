@@ -14,7 +14,8 @@ from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.modeling.logprobs import padded_sequence_logps
 from pair_dpo_trainer.reference import FrozenReference, NoReference
 from pair_dpo_trainer.training.summary import run_summary
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 
 
 def _config(tmp_path, **kwargs) -> PairDPOConfig:
@@ -153,7 +154,7 @@ def test_floating_point_ops_count_non_embedding_parameters_once(tmp_path):
     assert trainer._flop_params == expected_params
 
 
-# --------------------------------------------------------------------------------------------- token budget (issue 15)
+# --------------------------------------------------------------------------------------------- token budget
 BUDGET = 60  # synthetic pairs cost 8-46 tokens: 1-4 pairs per micro-batch, 4-6 micro-batches per 8-pair step
 
 

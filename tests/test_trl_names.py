@@ -9,7 +9,8 @@ from transformers import TrainingArguments
 
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.config.trl_names import RENAMED_OPTIONS, TRAINER_KWARG_EQUIVALENTS, TRL_CONFIG_EQUIVALENTS
-from tests.dpo_fixtures import cpu_config, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config
+from tests.models import tiny_llama, tiny_tokenizer
 
 # TRL 1.16.0's DPOConfig fields beyond TrainingArguments' (trl/trainer/dpo_config.py and base_config.py), so the check
 # runs without TRL installed; test_the_trl_field_list_is_trl_1_16s compares it with TRL when TRL is there.
@@ -20,7 +21,7 @@ TRL_1_16_DPO_FIELDS = {
     "f_alpha_divergence_coef", "label_smoothing", "beta", "use_weighting", "discopop_tau", "activation_offloading",
     "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps", "pad_token",
 }  # fmt: skip
-# Implemented by the loss work (issue 16) under TRL's names: never in the "no twin" table.
+# Implemented by the loss work under TRL's names: never in the "no twin" table.
 LOSS_FIELDS = {
     "loss_weights", "ld_alpha", "f_divergence_type", "f_alpha_divergence_coef", "use_weighting", "discopop_tau",
     "sync_ref_model", "ref_model_mixup_alpha", "ref_model_sync_steps",

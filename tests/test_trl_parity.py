@@ -324,7 +324,7 @@ def test_tr_dpo_mixing_equals_trl_sync_ref_model_callback():
     from trl.trainer.callbacks import SyncRefModelCallback
 
     from pair_dpo_trainer.reference.sync import mix_into_reference
-    from tests.dpo_fixtures import tiny_llama
+    from tests.models import tiny_llama
 
     policy, ours, theirs = tiny_llama(0), tiny_llama(1), tiny_llama(1)
     mix_into_reference(ours, policy, 0.6)

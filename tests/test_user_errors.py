@@ -18,7 +18,8 @@ from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pair
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleError
 from pair_dpo_trainer.modeling import attention
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 
 
 def _config(tmp_path: Path, **kwargs) -> PairDPOConfig:

@@ -14,7 +14,8 @@ from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
 from pair_dpo_trainer.parallel.zero3 import mark_zero3_leaf_modules, zero3_leaf_modules_problem, zero3_leaf_setup
-from tests.dpo_fixtures import cpu_config, synthetic_pairs, tiny_llama, tiny_tokenizer
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
 
 pytest.importorskip("deepspeed")
 

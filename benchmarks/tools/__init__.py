@@ -1,2 +1,2 @@
-"""Tools beside the benchmarks: the demo-asset generator, a random pinned snapshot for scale checks, loss-curve
-overlays. Run from the repository root as ``python -m benchmarks.tools.<name>``."""
+"""Tools beside the benchmarks: a random pinned snapshot for scale checks, loss-curve overlays. Run from the
+repository root as ``python -m benchmarks.tools.<name>``; the demo assets are built by ``pair_dpo_trainer.demo.build``."""

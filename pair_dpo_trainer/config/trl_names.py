@@ -8,7 +8,7 @@ and ``PairDPOTrainer.__init__`` (its keyword arguments) call :func:`reject_unsup
 the side-by-side table.
 
 A name is rejected only when it is not a real field of the config class being built, so an option another part of
-the package implements later (e.g. the loss fields of issue 16: ``loss_weights``, ``use_weighting``, ``ld_alpha``,
+the package implements (e.g. the loss fields ``loss_weights``, ``use_weighting``, ``ld_alpha``,
 ``f_divergence_type``, ``sync_ref_model``, ...) is never listed here and never blocked.
 """
 

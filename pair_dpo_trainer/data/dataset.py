@@ -5,7 +5,7 @@ Every input path gets the same length limits and the same truncation rule
 truncated, and a ``prepare-data`` split (:class:`~pair_dpo_trainer.data.prepared.PreparedSplit`) is first checked
 against the run's tokenizer and limits, then truncated. The number of truncated pairs is logged once per dataset.
 
-What the trainer then holds is Arrow, memory-mapped (issue 20): raw rows and pre-tokenised ``datasets.Dataset`` rows
+What the trainer then holds is Arrow, memory-mapped: raw rows and pre-tokenised ``datasets.Dataset`` rows
 are converted once per node, on ``dataset_num_proc`` workers, into the tokenised-pairs cache
 (:mod:`pair_dpo_trainer.data.pairs`); a split prepared with the run's own limits is its ``<split>.arrow``.
 """

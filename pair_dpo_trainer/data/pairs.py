@@ -13,7 +13,7 @@ pre-tokenised ``datasets.Dataset``:
 
 A strict conversion: the first bad row (in input order) fails the run on every rank of the node with its reason code
 and its row index, and nothing is published. Pre-tokenised rows of which none had to be cut are used as they are (the
-entry records that), as before.
+entry records that).
 """
 
 from __future__ import annotations

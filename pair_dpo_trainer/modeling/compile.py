@@ -20,7 +20,7 @@ Why regional, in place and dynamic:
 ``pad_to_budget=True`` (rows of exactly ``max_tokens_per_microbatch`` tokens) makes the row length static; the
 segment count and the longest segment still vary, so ``dynamic=True`` stays. CUDA graphs stay refused: one compiled
 graph serves every layer, each call's input being the previous call's output, the pattern CUDA graph trees do not
-support for regional compilation (PyTorch issue 152887; ``benchmarks/cudagraph_probe.py`` checks it on a GPU).
+support for regional compilation (pytorch/pytorch#152887; ``benchmarks/cudagraph_probe.py`` checks it on a GPU).
 
 Not here: compiling the LM head (the chunked log-prob function is a handful of large matmuls already) and
 ZeRO-3 (DeepSpeed's per-module parameter hooks are incompatible with tracing the layer; the config refuses it).

@@ -20,7 +20,7 @@ makes sure that the FSDP2 the user asked for is what runs, and tells the packed 
   every FSDP unit's floating outputs, the LM head's included. The packed path returns float32 per-token log-probs
   from the head (see :func:`pair_dpo_trainer.modeling.logprobs.packed_sequence_logps`); cast to bf16 they would lose ~3
   significant digits before the per-sequence sums. The policy's ``output_dtype`` is therefore cleared: parameters
-  and the reduce-scatter keep the plugin's dtypes, and the decoder layers compute in ``param_dtype`` as before (their
+  and the reduce-scatter keep the plugin's dtypes, and the decoder layers compute in ``param_dtype`` (their
   inputs are still cast, ``cast_forward_inputs``), so only the head's float32 result is left as it is.
 
 The LM head under FSDP2 (:func:`is_fsdp_managed`): its weight is a sharded DTensor outside the unit's forward, so the

@@ -3,7 +3,7 @@
 Timeline of a run (:class:`ReferenceManager`):
 
 - ``__init__`` (in ``PairDPOTrainer.__init__``): without DeepSpeed and without ``precompute_ref_log_probs`` the
-  reference is built and identified at once (as before). Otherwise nothing is built yet: a DeepSpeed reference engine
+  reference is built and identified at once. Otherwise nothing is built yet: a DeepSpeed reference engine
   is built lazily, and a precomputed run may never build it (cache hit).
 - :meth:`ReferenceManager.prepare` (``PairDPOTrainer.train`` before ``Trainer.train``, and ``evaluate``): builds the
   lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,

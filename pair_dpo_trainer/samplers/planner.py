@@ -153,7 +153,7 @@ class EpochPlan:
 
     def fingerprint(self) -> str:
         """Returns a 16-hex-digit digest of the whole plan (all ranks, layout and budget included)."""
-        if self.max_tokens_per_microbatch is None:  # the same bytes as before budgets existed
+        if self.max_tokens_per_microbatch is None:  # a fixed count: the fingerprint has no budget field
             digest = hashlib.sha256(_FINGERPRINT_VERSION)
             digest.update(np.asarray(self.pairs.shape + self.microbatch_sizes, dtype="<i8").tobytes())
         else:

@@ -6,13 +6,19 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 
 from benchmarks import cudagraph_probe, profile_summary, report, trl_dpo, workload
 from pair_dpo_trainer.collators import PackedPairCollator
-from tests.dpo_fixtures import install_traceable_varlen
+from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
 
 # The fields of the former trl_dpo_baseline.py's RESULT row: ours and benchmarks.trl_dpo must carry every one of them.
 TRL_RESULT_FIELDS = (
@@ -21,6 +27,8 @@ TRL_RESULT_FIELDS = (
     "real_tok_s_gpu_from_median mfu8N_989 mfu8N_790 n_params n_params_no_embed peak_alloc_gib peak_reserved_gib "
     "train_wall_s shapes_first no_cudnn_sdp step_s seq_len warmup_step_s"
 ).split()
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +222,7 @@ def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
     assert "missing nope" in report.ratio_line(loaded, "z3:pair_dpo_ceiling", "nope")
 
 
-# --------------------------------------------------------------------------------------------- token budget (issue 15)
+# --------------------------------------------------------------------------------------------- token budget
 TRL_FLAGS = {  # the former trl_dpo_baseline.py's argparse flags, frozen: benchmarks.trl_dpo still takes them all
     "--tag", "--attn", "--padding_free", "--bs", "--steps", "--warmup", "--max_length", "--workers", "--results",
     "--tiny", "--seed", "--no_cudnn_sdp",
@@ -264,3 +272,27 @@ def test_trl_side_takes_the_former_baseline_flags():
 def test_probe_rows_have_one_shape():
     rows = cudagraph_probe.rows(512, 5, vocab=100)
     assert {row.num_tokens for row in rows} == {512} and len({row.num_pairs for row in rows}) > 1
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_bench_dpo_runs_under_fsdp2_and_its_ref_fsdp_shard_flag_reaches_the_run(tmp_path):
+    """``benchmarks.dpo --tiny --ref-fsdp-shard false`` through ``accelerate launch`` with the shipped FSDP2 config in
+    its CPU form (2 gloo processes): the row says FSDP2 ran, with a replicated reference, in float32."""
+    config = yaml.safe_load((ROOT / "accelerate_configs" / "fsdp2.yaml").read_text())
+    config.update(use_cpu=True, num_processes=2, mixed_precision="no", main_process_ip="127.0.0.1")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        config["main_process_port"] = sock.getsockname()[1]
+    (tmp_path / "fsdp2.yaml").write_text(yaml.safe_dump(config))
+    results = tmp_path / "bench.jsonl"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp2.yaml")]
+    cmd += ["-m", "benchmarks.dpo", "--tiny", "--tag", "fsdp2", "--ref-fsdp-shard", "false", "--ceiling"]
+    cmd += ["--results", str(results), "--bs", "1", "--steps", "2", "--warmup", "1", "--max-length", "520"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    row = json.loads(results.read_text().splitlines()[0])
+    assert row["fsdp2"] is True and row["deepspeed"] is False and row["world"] == 2
+    assert row["reference_fsdp"] == "replicated" and row["fsdp_param_dtype"] is None  # fp32 on the CPU
+    assert row["steps_timed"] == 2 and row["real_tok_s_gpu"] > 0

@@ -1,7 +1,6 @@
-"""NCCL versions of the CPU fault tests (tests/test_run_faults.py), on 2 GPUs: one JSON line per case on stdout.
+"""NCCL versions of the CPU fault tests (tests/test_run_faults.py), on 2 GPUs (marked ``gpu``: skipped without two).
 
-Run as ``python -m benchmarks.nccl_faults`` (suite ``h200x2-nccl-faults``). Cases (tests/fault_worker.py, ranks
-launched directly with RANK / WORLD_SIZE, one GPU each, ddp_timeout=30 s):
+Cases (tests/fault_worker.py, ranks launched directly with RANK / WORLD_SIZE, one GPU each, ddp_timeout=30 s):
   stall_backward: rank 1 SIGSTOPs after its last forward of step 4; rank 0 waits in DDP's NCCL gradient all-reduce.
       Default error handling: NCCL's watchdog must end rank 0 within ~30 s (+ its own grace), printing
       "Watchdog caught collective operation timeout ... Timeout(ms)=30000".
@@ -9,18 +8,19 @@ launched directly with RANK / WORLD_SIZE, one GPU each, ddp_timeout=30 s):
   stall_step_end: rank 1 SIGSTOPs at the end of step 3: rank 0 waits in the preemption agreement (gloo CPU group):
       collective_timeout naming all_reduce within ~30 s.
   sigterm_one_rank: SIGTERM to rank 1 only: both ranks exit 75 after the same step with a complete checkpoint.
-Look for: "ok": true on every line; "rank0_exit_after_s" a little above 30 for the stalls.
+Each case also appends its JSON line to ``$OUT/nccl_faults.jsonl`` when ``OUT`` is set (the GPU machine's results).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import tempfile
 import time
 from pathlib import Path
+
+import pytest
+import torch
 
 from pair_dpo_trainer.fault_tolerance.checkpoint import checkpoint_problem, list_checkpoints
 from tests.faults import (
@@ -33,6 +33,12 @@ from tests.faults import (
     wait,
     wait_for_progress,
 )
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.distributed,
+    pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs"),
+]
 
 TIMEOUT = 30
 
@@ -80,33 +86,26 @@ def sigterm(root: Path) -> dict:
     }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``--results`` (JSONL to append each case's line to; default ``$OUT/nccl_faults.jsonl`` when OUT is set)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--results", help="JSONL file to append to (default: $OUT/nccl_faults.jsonl when OUT is set)")
-    args = p.parse_args(argv)
-    if args.results is None and os.environ.get("OUT"):
-        args.results = os.path.join(os.environ["OUT"], "nccl_faults.jsonl")
-    return args
+def _record(result: dict) -> dict:
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "nccl_faults.jsonl"), "a") as handle:
+            handle.write(json.dumps(result) + "\n")
+    return result
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    root = Path(os.environ.get("OUT", tempfile.mkdtemp())) / "nccl_faults"
-    root.mkdir(parents=True, exist_ok=True)
-    cases = [
-        lambda: stall(root, "stall_backward", "backward"),
-        lambda: stall(root, "stall_backward_blocking", "backward", {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
-        lambda: stall(root, "stall_step_end", "step_end"),
-        lambda: sigterm(root),
-    ]
-    for case in cases:
-        line = json.dumps(case())
-        print(line, flush=True)
-        if args.results:
-            with open(args.results, "a") as handle:
-                handle.write(line + "\n")
+@pytest.mark.parametrize(
+    "name,where,env",
+    [
+        ("stall_backward", "backward", None),
+        ("stall_backward_blocking", "backward", {"TORCH_NCCL_BLOCKING_WAIT": "1"}),
+        ("stall_step_end", "step_end", None),
+    ],
+)
+def test_a_stalled_rank_ends_the_job_within_the_collective_timeout(tmp_path, name, where, env):
+    result = _record(stall(tmp_path, name, where, env))
+    assert result["ok"], result
 
 
-if __name__ == "__main__":
-    main()
+def test_sigterm_to_one_rank_saves_one_complete_checkpoint_and_exits_75_on_both(tmp_path):
+    result = _record(sigterm(tmp_path))
+    assert result["ok"], result

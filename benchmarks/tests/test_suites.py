@@ -16,7 +16,7 @@ from benchmarks import dpo, plan, run, trl_dpo
 from benchmarks.spec import Run, Suite, ours, ratios, trl
 from benchmarks.suites import SUITES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONTEXT = {"work": "/tmp/w", "out": "/tmp/o"}
 for _suite in SUITES.values():  # what the set-up steps define ({rev}, {model05b}, {zero3_persist}, ...), as a dry run
     for _step in _suite.setup:
@@ -24,8 +24,7 @@ for _suite in SUITES.values():  # what the set-up steps define ({rev}, {model05b
 
 
 def _train_fields() -> set[str]:
-    sys.path.insert(0, str(ROOT))  # train.py is a script at the repository root, not a package module
-    import train
+    import train  # the script at the repository root (python -m pytest puts the root on sys.path)
 
     return {f.name for cls in train.ARGUMENT_CLASSES for f in dataclasses.fields(cls)}
 
