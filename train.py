@@ -156,7 +156,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     default_cuda_allocator()  # expandable_segments:True unless PYTORCH_CUDA_ALLOC_CONF is set (before CUDA starts)
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     check_config(config)  # every option problem now, before the model, tokenizer or data load
-    if _is_bundled(model_args.model_name_or_path) and uses_reference(config.loss_type, reference_free=config.reference_free) and config.ref_model_revision is None:
+    uses = uses_reference(config.loss_type, reference_free=config.reference_free)
+    if _is_bundled(model_args.model_name_or_path) and uses and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     require_model_directory(
         model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"

@@ -81,7 +81,15 @@ def launch_and_fault_suites() -> tuple[Suite, ...]:
         "after the same step with a checkpoint (exit 75)",
         gpus=2,
         deadline_s=540,
-        runs=(Run("nccl_faults", "module", ("pytest", "-q", "-m", "gpu", "tests/test_nccl_faults.py"), timeout_s=520, log="nccl_faults.log"),),
+        runs=(
+            Run(
+                "nccl_faults",
+                "module",
+                ("pytest", "-q", "-m", "gpu", "tests/test_nccl_faults.py"),
+                timeout_s=520,
+                log="nccl_faults.log",
+            ),
+        ),
         look_for='nccl_faults.jsonl: "ok": true on every line; rank0_exit_after_s a little above 30 for the stalls',
     )
     return paths, faults

@@ -3,7 +3,7 @@
 The GPU suites are the former one-off ``scripts/gpu/*.sh`` device calls (same runs, flags, tags, caps and ratios; their
 numbers are in docs/benchmarks.md); ``h200-smoke`` and ``cpu-smoke`` are short end-to-end checks of the runner. Order
 matters: a suite's deadline skips the runs at the end first, so the lowest-priority runs come last. Add a suite by
-adding an entry to :data:`SUITES` (``tests/test_bench_suites.py`` checks every suite's commands on the CPU).
+adding an entry to :data:`SUITES` (``benchmarks/tests/test_suites.py`` checks every suite's commands on the CPU).
 """
 
 from __future__ import annotations
@@ -520,7 +520,8 @@ def _objectives() -> Suite:
 
 
 def _data_scale() -> tuple[Suite, Suite]:
-    """The data-at-scale targets on the GPU machine's 16 cores (CPU work only: no GPU is touched): prepare-data's speed-up,
+    """The data-at-scale targets on the GPU machine's 16 cores (CPU work only: no GPU is touched): prepare-data's
+    speed-up,
     then the trainer's memory per rank with 1M raw pairs."""
 
     def step(tag: str, timeout_s: int, *args: str) -> Run:

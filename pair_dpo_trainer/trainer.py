@@ -56,7 +56,7 @@ from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
-from pair_dpo_trainer.training.accumulation import run_step
+from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.metrics import PairMetrics
@@ -277,7 +277,8 @@ class PairDPOTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's save, made atomic with the reference identity inside (``fault_tolerance/checkpoint.py``); the TR-DPO
+        """The Trainer's save, made atomic with the reference identity inside (``fault_tolerance/checkpoint.py``);
+        the TR-DPO
         synced reference and the objective's state are written into the staged directory with the Trainer's files.
         ``num_tokens`` is folded into the state first (it is in ``trainer_state.json``)."""
         self._metrics["train"].fold_tokens(self.args.device, self.state)
@@ -410,11 +411,7 @@ class PairDPOTrainer(Trainer):
             pair = pair_logps_from_sequences(policy, ref_logps, inputs)
             output = self.objective_runtime(pair, inputs, training=model.training)
             losses = output.losses
-            torch._assert_async(
-                torch.isfinite(losses).all(),
-                "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
-                "(check the learning rate, bf16 overflow, and the data).",
-            )
+            assert_finite_losses(losses)
             mode = "train" if model.training else "eval"
             self._metrics[mode].update(
                 pair,
@@ -425,10 +422,7 @@ class PairDPOTrainer(Trainer):
                 components=output.components,
                 token_stats=policy.token_stats,
             )
-            if num_items_in_batch is None:
-                loss = losses.mean()
-            else:
-                loss = losses.sum() * (self.args.world_size / num_items_in_batch)
+            loss = step_normalized_loss(losses, world_size=self.args.world_size, global_pairs=num_items_in_batch)
         return (loss, {"losses": losses}) if return_outputs else loss
 
     # ------------------------------------------------------------------ eval and logging

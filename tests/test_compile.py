@@ -1,7 +1,8 @@
 """Regional ``torch.compile`` of the decoder layers (``pair_dpo_trainer.modeling.compile``).
 
 On CPU the CUDA varlen kernels do not run, so the traceable tests swap a block-mask SDPA in as the ``torch_varlen``
-kernel (``modeling.cpu_varlen.install_traceable_varlen``: same signature, same semantics): everything else, the attention
+kernel (``modeling.cpu_varlen.install_traceable_varlen``: same signature, same semantics): everything else, the
+attention
 function included, is the product's code.
 """
 

@@ -13,7 +13,8 @@ PACKAGE = ROOT / "pair_dpo_trainer"
 CODE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)+$|^[a-z]+$")
 COMPUTED = {"invalid_config", "environment_drift", "save_failed"}
 """Codes the package computes instead of spelling them in a raise: several problems at once
-(``training.checks.raise_problems``), a probe-only identity difference (``ReferenceComparison.reason_code``), a failed save
+(``training.checks.raise_problems``), a probe-only identity difference (``ReferenceComparison.reason_code``), a failed
+save
 on another rank (``fault_tolerance.checkpoint``)."""
 
 

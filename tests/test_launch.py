@@ -5,7 +5,8 @@ The 2-process launches run train.py itself on the CPU (gloo, fp32) for 2 optimiz
 that the processes formed ONE job (``world_size=2`` in the run summary, printed once, by rank 0) that trained. They
 are few on purpose (each costs 15-60 s on 2 cores): the accelerate ``cpu_2proc.yaml`` launch is also the
 "torchrun without --use_cpu" case (accelerate runs torchrun, and nothing tells the processes to use the CPU), the
-``torchrun --deepspeed`` launch loads the policy by path under ``zero.Init``, and the ``deepspeed`` launcher runs without
+``torchrun --deepspeed`` launch loads the policy by path under ``zero.Init``, and the ``deepspeed`` launcher runs
+without
 ``--use_cpu``. Configs that need GPUs are checked by accelerate's own launch-argument parsing.
 """
 
@@ -179,7 +180,8 @@ def test_accelerate_launch_with_cpu_2proc_config_runs_one_two_process_job(tmp_pa
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_with_the_trainer_deepspeed_flag_runs_zero3(tmp_path, pairs_file):
-    """``torchrun train.py --deepspeed``: the policy is loaded by path under ``deepspeed.zero.Init`` before the Trainer exists."""
+    """``torchrun train.py --deepspeed``: the policy is loaded by path under ``deepspeed.zero.Init`` before the Trainer
+    exists."""
     prefix = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     output, state = _launch(prefix, tmp_path, pairs_file, "--use_cpu", "True", "--deepspeed", str(DS_ZERO3))
     _assert_one_two_process_job(output, state)

@@ -3,8 +3,10 @@
 TRL's ``DPOTrainer._compute_loss`` runs unchanged on a bare ``DPOTrainer`` object whose "models" return given
 per-token quantities (what TRL's fused LM head returns: ``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``,
 ``log_sum_sq_probs``), so no TRL training runs. Our side gets the same per-token values in packed order and goes
-through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs.sequence_logps_from_tokens` (LD-DPO weights
-from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the objective
+through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs.sequence_logps_from_tokens` (LD-DPO
+weights
+from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the
+objective
 and :class:`~pair_dpo_trainer.training.metrics.PairMetrics`. SimPO and ORPO are compared with TRL's experimental
 ``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``, TR-DPO's mixing with TRL's ``SyncRefModelCallback``.
 

@@ -31,4 +31,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(importlib.import_module(args._module).run(args))
-

@@ -2,17 +2,7 @@
 
 The row holds every pair's two sequences back to back, chosen first::
 
-    [p1 + c1][p1 + r1][p2 + c2][p2 + r2] ...
-
-Sequence ``2*i + CHOSEN`` (``2*i``) is pair ``i``'s chosen sequence and sequence ``2*i + REJECTED`` its rejected
-one; :func:`split_pairs` is the one reader of that layout (every per-sequence ``[2n]`` tensor: log-probs, token
-counts, statistics, in the packed and the padded batch alike). Attention stays inside each sequence through
-``cu_seqlens`` (varlen attention, see :mod:`pair_dpo_trainer.modeling.attention`); ``position_ids`` restart at 0 for
-each sequence.
-
-Labels are already shifted: ``labels[0, j]`` is the target of the logits at position ``j``, i.e. the token at
-``j + 1`` when that token is a completion token of the same sequence, else ``-100``. ``completion_mask`` is
-``labels != -100``. Everything is built on the CPU with plain Python lists (no per-token tensor ops).
+Details: docs/architecture.md, "Module notes", ``collators/packed.py``.
 """
 
 from __future__ import annotations

@@ -3,16 +3,12 @@
 With a token budget the number of micro-batches changes from step to step (it is the same on every rank), while HF
 Trainer counts gradient accumulation in DataLoader items. So the train DataLoader yields whole steps
 (:class:`~pair_dpo_trainer.samplers.sampler.PairStepSampler`), the Trainer runs with ``gradient_accumulation_steps=1``
-and :mod:`pair_dpo_trainer.training.accumulation` runs the micro-batches of the item. ``len(dataloader)`` is then the number of
+and :mod:`pair_dpo_trainer.training.accumulation` runs the micro-batches of the item. ``len(dataloader)`` is then the
+number of
 optimizer steps, so the Trainer's ``steps_in_epoch``, ``num_update_steps_per_epoch``, LR schedule, ``global_step`` and
 its resume skip (``global_step % steps_per_epoch`` items) all count optimizer steps.
 
-Example:
-    A step of two micro-batches, pairs ``[3, 0]`` then ``[5]``::
-
-        loader = DataLoader(StepPairs(dataset), batch_sampler=step_sampler, collate_fn=StepCollator(collator))
-        step = next(iter(loader))   # StepBatch(microbatches=(<2 pairs packed>, <1 pair packed>))
-        step.num_pairs == 3; len(step) == 2
+Details: docs/architecture.md, "Module notes", ``collators/step.py``.
 """
 
 from __future__ import annotations

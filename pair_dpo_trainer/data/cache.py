@@ -7,20 +7,7 @@ nothing. Each entry is ``<root>/pairs-<32 hex of the key's SHA-256>/`` holding `
 written, who wrote it and when) and ``pairs.arrow`` (an Arrow stream file) unless nothing had to change (pre-tokenised
 rows within the limits: the dataset itself is used).
 
-The key is everything the tokenised rows depend on: the format of this cache, the package version, the kind of
-conversion, a fingerprint of the input rows (:func:`~pair_dpo_trainer.data.arrow.content_fingerprint` of a
-``datasets.Dataset``, a SHA-256 of each pickled row of a list), the tokenizer fingerprint
-(:func:`~pair_dpo_trainer.data.fingerprint.tokenizer_fingerprint`) and the length limits. Change any and the entry
-is another one; an entry whose ``meta.json`` does not hold exactly the key, or whose Arrow file has another size, is
-rebuilt.
-
-Writing is atomic: an entry is built in a temporary sibling directory and renamed into place, so a reader sees a
-whole entry or none; two processes that build the same entry at once (two nodes on a shared file system) both
-succeed and one entry stays.
-
-Cleaning: entries are never deleted by the package. Remove ``<root>`` (or single ``pairs-*`` directories) when no
-run is using them; a run in progress keeps reading the files it has open, but its data-loader workers reopen them by
-path. Temporary directories left by a killed build are removed by the next build once they are a day old.
+Details: docs/architecture.md, "Module notes", ``data/cache.py``.
 """
 
 from __future__ import annotations

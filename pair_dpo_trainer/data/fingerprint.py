@@ -4,18 +4,7 @@
 another fingerprint is refused (``tokenizer_mismatch``, see :mod:`pair_dpo_trainer.data.prepared`): its token ids
 would mean other text to this model.
 
-Definition (format 1): the sha256 hex digest of the canonical JSON (sorted keys, no spaces, UTF-8) of
-
-- ``"format"``: 1;
-- ``"vocab"``: every ``[token, id]`` of ``tokenizer.get_vocab()`` (added tokens included), sorted by id then token;
-- ``"chat_template"``: the chat template text (a dict of named templates as sorted JSON), or null;
-- ``"special"``: ``{"bos": id, "eos": id}`` (ids or null);
-- ``"probe"``: ``tokenizer(PROBE_TEXT, add_special_tokens=True)["input_ids"]``, which captures what the vocabulary
-  does not: normaliser, pre-tokeniser, merges and the special tokens the tokenizer adds itself (e.g. BOS).
-
-It depends only on what tokenises, not on where the files are, their timestamps, the padding token or side, or
-``model_max_length``; so the same tokenizer files give the same fingerprint on every machine and with the
-transformers versions this package supports (loading twice, copying the directory or setting ``pad_token`` keep it).
+Details: docs/architecture.md, "Module notes", ``data/fingerprint.py``.
 """
 
 from __future__ import annotations

@@ -2,22 +2,7 @@
 
 Accepted row shapes (``None`` counts as a missing field: ``datasets`` fills absent keys with ``None``):
 
-1. ``prompt``, ``chosen`` and ``rejected`` as strings: the prompt becomes one user message and each
-   completion one assistant message.
-2. ``prompt`` as a string or a list of messages and ``chosen`` / ``rejected`` as lists of messages,
-   either only the completion turns (the first one is an assistant turn) or full conversations that
-   repeat the prompt turns first (the UltraFeedback-binarized shape). A string completion next to a
-   list prompt is one assistant message.
-3. Anthropic-HH: no ``prompt``; ``chosen`` and ``rejected`` are transcripts
-   ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``. The prompt is every turn before the last ``Assistant:``
-   turn; turn contents are stripped of surrounding whitespace.
-
-A message is an object with ``role`` in ``system`` / ``user`` / ``assistant`` and a string ``content``;
-other keys (``name``, ...) are dropped. Text must be encodable as UTF-8 (a lone surrogate such as ``"\\ud800"``, valid
-in JSON, is ``bad_text``), and a row may nest at most :data:`MAX_ROW_DEPTH` levels of lists / objects (``bad_json``),
-so that the JSON-lines reader and the Arrow reader give every row the same verdict. Every problem raises
-:class:`~pair_dpo_trainer.errors.PreferenceRowError` with a stable ``reason_code`` (see
-``docs/reason_codes.md``, section "Data rows").
+Details: docs/architecture.md, "Module notes", ``data/normalize.py``.
 """
 
 from __future__ import annotations

@@ -3,17 +3,7 @@
 :func:`build_pairs` is what the trainer does with raw rows (a list or a ``datasets.Dataset``) and with a
 pre-tokenised ``datasets.Dataset``:
 
-1. every rank computes the cache key (:mod:`pair_dpo_trainer.data.cache`): the rows' fingerprint, the tokenizer's
-   fingerprint (raw rows), the limits;
-2. the node's local main process finds the entry, or converts the rows with ``num_proc`` workers
-   (:mod:`pair_dpo_trainer.data.workers`, :mod:`pair_dpo_trainer.data.chunks`) into an Arrow file and publishes the
-   entry, while the node's other ranks wait (:class:`~pair_dpo_trainer.parallel.node.Node`);
-3. every rank memory-maps that file. A rank whose own key differs from the local main's (other rows, another
-   tokenizer) converts its rows itself instead of using another dataset's result.
-
-A strict conversion: the first bad row (in input order) fails the run on every rank of the node with its reason code
-and its row index, and nothing is published. Pre-tokenised rows of which none had to be cut are used as they are (the
-entry records that).
+Details: docs/architecture.md, "Module notes", ``data/pairs.py``.
 """
 
 from __future__ import annotations

@@ -2,19 +2,7 @@
 
 ``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``
 
-Every row of every input (jsonl / json / parquet) is normalised and tokenised by ``--num-proc`` worker processes
-(default: the usable cores, at most 32), the inputs read in chunks (JSON lines line by line, parquet batch by batch:
-memory does not grow with the input, see :mod:`pair_dpo_trainer.data.prepare_rows`); rejected rows are counted per
-reason code. N train and M eval pairs are then chosen deterministically from the seed, assigning whole prompt groups
-(pairs with the same :func:`~pair_dpo_trainer.data.normalize.prompt_hash`) to one split, so no prompt is shared
-between train and eval. DIR receives, per split, ``<split>.jsonl`` (sorted-key JSON lines holding the normalised
-messages, the token id columns, the prompt hash and the source row) and ``<split>.arrow`` (the same rows as an Arrow
-stream file, which the trainer memory-maps), in input order, and ``manifest.json`` (with the tokenizer's fingerprint
-and the length limits, which the trainer checks: see :mod:`pair_dpo_trainer.data.prepared`); the same inputs and
-arguments always give byte-identical files, whatever the number of workers. Rows are numbered from 1 in every
-message and in ``source_row``. Everything is written into a temporary sibling of DIR and renamed into place, so a
-failure leaves no partial DIR. Errors print one message on stderr and return exit code 2; with ``--strict`` the
-first problem in input order (a bad row, or a line that is not JSON) is the one reported.
+Details: docs/architecture.md, "Module notes", ``data/prepare.py``.
 """
 
 from __future__ import annotations

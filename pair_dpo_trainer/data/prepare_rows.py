@@ -1,21 +1,6 @@
 """What ``prepare-data`` reads and writes: candidate rows tokenised in parallel chunks, then the two splits.
 
-Reading (:func:`read_inputs`): each input file is streamed in chunks (:class:`~pair_dpo_trainer.data.streams.
-FileStream`), tokenised by ``num_proc`` workers (:mod:`pair_dpo_trainer.data.chunks`) and every accepted row is
-appended, in input order, to one Arrow stream file of candidates on disk (scratch: neither hashed nor fsynced): its
-JSON line as it will be written, the Arrow columns of :data:`~pair_dpo_trainer.data.prepared.PREPARED_SCHEMA`, and its
-prompt group's split key (the workers compute it: the serial work left to this process is reading lines, writing
-batches and, at the end, one vectorised sort). The process keeps only the chunks in flight and, as Arrow arrays, the
-prompt hash and split key of each accepted row (the split needs every row's prompt group): ~100 bytes per row.
-
-Splitting (:meth:`ReadResult.groups`, then :func:`~pair_dpo_trainer.data.splits.split_groups`): the prompt hashes are
-dictionary-encoded into group numbers and the groups sorted by key in numpy, no Python object per row.
-
-Writing (:func:`write_splits`): one sequential pass over the candidates (read a batch at a time, not memory-mapped, so
-the process holds one batch) writes each split's rows, in input order, to ``<split>.jsonl`` (the JSON lines straight
-from the Arrow buffer) and ``<split>.arrow``, hashing both as they are written and fsyncing them. Everything written
-depends only on the inputs and the arguments, never on the number of workers: byte-identical outputs for any
-``--num-proc``.
+Details: docs/architecture.md, "Module notes", ``data/prepare_rows.py``.
 """
 
 from __future__ import annotations

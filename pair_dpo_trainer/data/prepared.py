@@ -5,21 +5,7 @@ The token ids of a prepared directory are only valid for the tokenizer and the l
 checks it once, before any row is used (:meth:`PreparedSplit.check`, called by
 :func:`~pair_dpo_trainer.data.dataset.as_pair_dataset`):
 
-- the tokenizer's fingerprint (:mod:`pair_dpo_trainer.data.fingerprint`) must equal the manifest's, else
-  ``tokenizer_mismatch``;
-- the run's limits may be the preparation's or tighter, and are then applied to the rows (the same truncation as raw
-  rows). Tighter means ``max_length <= L``, ``max_prompt_length <= P`` and a completion room ``max_length -
-  max_prompt_length <= L - P`` (with a long prompt a completion was cut at ``L - P`` tokens, and could not be
-  extended). Anything looser is refused (``limits_looser_than_prepared``): re-run ``prepare-data`` with the run's
-  limits.
-
-``max_tokens_per_microbatch`` of the preparation is a filter, not a limit: the run's micro-batch budget is checked on
-every row as for raw rows (``pair_too_long``).
-
-The rows of a split are the memory-mapped ``<split>.arrow`` (:data:`PREPARED_SCHEMA`): the three token-id columns,
-``prompt_hash``, ``source``, ``source_row`` and ``pair`` (the normalised messages as JSON); ``<split>.jsonl`` holds the
-same rows as text. With the run's own limits (and a budget every row fits) the trainer uses the Arrow file as it is;
-with tighter limits it truncates it once per node into the tokenised-pairs cache.
+Details: docs/architecture.md, "Module notes", ``data/prepared.py``.
 """
 
 from __future__ import annotations

@@ -6,19 +6,7 @@ cached can change the result. Arrow needs one schema per file; a json/jsonl file
 hold (a line that is not an object, an empty file, ``[]``) is read again with the standard ``json`` module,
 so that such rows are rejected one by one (reason code ``schema``) instead of failing the whole file.
 
-One bad row never fails the file, and both readers give it the same verdict:
-
-- a JSON file with a lone-surrogate escape (``"\\ud800"``, valid JSON) is read with the ``json`` module, because
-  Arrow deletes the surrogate inside nested values (the row would be accepted altered); the row is ``bad_text``;
-- a JSON file whose rows give a field different types (a completion as a string in one row and as a message list
-  in another) is read with the ``json`` module: Arrow types such a field ``Json`` and returns some of its strings
-  altered (``"4"`` as the number 4, ``"null"`` as None);
-- a JSON file with bytes that are not UTF-8 is read with the ``json`` module too, which refuses the file naming the
-  line (a file-level encoding problem, ``InputError``), where Arrow would accept it and fail later at that row;
-- a row of a parquet file (or any ``datasets.Dataset``) whose text does not decode becomes an
-  :class:`~pair_dpo_trainer.data.normalize.UnreadableRow` (``bad_text``) in its place (:func:`iter_rows`);
-- a line nested deeper than the ``json`` module can parse becomes an ``UnreadableRow`` (``bad_json``); Arrow reads
-  such rows, and :func:`~pair_dpo_trainer.data.normalize.normalize_row` rejects them as ``bad_json`` too.
+Details: docs/architecture.md, "Module notes", ``data/readers.py``.
 """
 
 from __future__ import annotations

@@ -3,18 +3,7 @@
 A :class:`Chunk` is what one worker converts: its number, the 0-based index of its first row, and a payload that
 becomes the chunk's rows in the worker (:func:`chunk_rows`):
 
-- :class:`JsonLines`: raw lines of a JSON-lines file (decoded and parsed in the worker, as
-  :func:`~pair_dpo_trainer.data.readers._load_json_values` would: a line nested too deeply is ``bad_json``, a line
-  that is not UTF-8 or not JSON fails the file with ``InputError`` naming the line);
-- :class:`ArrowRows`: one record batch of a parquet file (a row whose text does not decode is ``bad_text``);
-- :class:`RowRange`: rows ``[start, stop)`` of the converter's in-memory or memory-mapped source
-  (:func:`~pair_dpo_trainer.data.readers.iter_rows`);
-- a list: the rows themselves (a ``.json`` document, parsed whole: a JSON array cannot be streamed without a
-  streaming parser, so give large inputs as ``.jsonl`` or ``.parquet``).
-
-:class:`FileStream` reads a JSON-lines file line by line and a parquet file with ``iter_batches``: what is held is
-the chunks in flight, whatever the file's size. Its ``rows`` and ``sha256`` (of the file's bytes, hashed while the
-lines are read; a parquet file is hashed in a separate streamed pass) are known once the chunks are exhausted.
+Details: docs/architecture.md, "Module notes", ``data/streams.py``.
 """
 
 from __future__ import annotations

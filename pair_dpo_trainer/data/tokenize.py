@@ -4,23 +4,9 @@ With a chat template, ``prompt_ids`` is the template applied to the prompt turns
 assistant header); each completion is the rest of the template applied to prompt + completion turns, after checking
 that this rendering starts with ``prompt_ids`` (else ``template_not_prefix``). A completion ends with
 ``eos_token_id``: if the template closes the turn with EOS followed only by whitespace tokens (e.g.
-``<|im_end|>\\n``) that whitespace is dropped; if it does not emit EOS at all, EOS is appended.
+``<|im_end|>\n``) that whitespace is dropped; if it does not emit EOS at all, EOS is appended.
 
-Without a chat template (a base model), a row of three plain strings is tokenised as TRL 1.16's non-conversational
-path does: ``tokenizer(prompt)`` and ``tokenizer(prompt + completion)`` (the tokenizer's own special tokens, e.g.
-BOS, included); the completion is what follows the longest common prefix of the prompt's ids and both
-prompt + completion ids (tokens may merge across the boundary), and EOS is appended. Unlike TRL, special-token
-strings inside the text stay text (``split_special_tokens=True``), as in the chat path. A row of chat messages
-(or an Anthropic-HH transcript) without a template is ``no_chat_template``.
-
-Truncation, in this order:
-
-1. the prompt is cut to ``max_prompt_length`` from the left (its end, next to the response, is kept);
-2. each completion is cut to ``max_length - len(prompt_ids)`` from the right. A cut completion loses its
-   EOS, as in TRL: the response did not end there, so the model must not learn to stop there.
-
-Control tokens written inside message contents (e.g. a literal ``</s>``) are encoded as plain text where
-the installed transformers supports ``apply_chat_template(..., sanitize_control_tokens=True)``.
+Details: docs/architecture.md, "Module notes", ``data/tokenize.py``.
 """
 
 from __future__ import annotations

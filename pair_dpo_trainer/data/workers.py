@@ -4,15 +4,7 @@ Rows are cut into chunks of a fixed size (:data:`CHUNK_ROWS`, never a function o
 back in chunk order, so whatever the number of workers the caller sees the same sequence of results: the same
 accepted rows in the same order, the same rejection counts and examples, and byte-identical files written from them.
 
-Workers are forked from the calling process (``fork`` start method, where the platform has it; ``spawn``
-elsewhere): the converter (tokenizer, limits, an in-memory or memory-mapped source) is inherited, never pickled, and
-a chunk travels as a small task (a row range, raw JSON lines or an Arrow batch). At most ``2 * num_proc + 2`` chunks
-are in flight, so the input is read only as fast as it is converted and memory stays bounded whatever its size.
-With one worker, or a single chunk, everything runs in the calling process; otherwise the first chunk does too,
-before the workers are forked (they inherit what its conversion imported and cached: ~0.5 s per worker otherwise).
-
-An exception in a worker (e.g. a ``ConfigError`` with its reason code, or an ``InputError`` naming a bad line) is
-re-raised in the caller as itself (:mod:`pair_dpo_trainer.errors`); the remaining chunks are cancelled.
+Details: docs/architecture.md, "Module notes", ``data/workers.py``.
 """
 
 from __future__ import annotations

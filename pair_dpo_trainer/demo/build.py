@@ -2,33 +2,7 @@
 
 Usage (from the repository root)::
 
-    python -m pair_dpo_trainer.demo.build                      # rewrite pair_dpo_trainer/assets/
-    python -m pair_dpo_trainer.demo.build --output-dir /tmp/a  # write elsewhere
-    python -m pair_dpo_trainer.demo.build --check              # compare the committed tree, write nothing
-
-Everything is generated from a seed, so the same seed gives byte-identical files and the tests check the committed
-copy against a fresh one. The runtime package keeps only what it reads (``pair_dpo_trainer.demo``: the bundled paths
-and ``DEMO_REVISION``); the generator lives here, outside it. Note: ``tiny-llama/.cache/huggingface/.gitignore`` holds
-``*`` (as ``hf download --local-dir`` writes it), so the metadata files must be staged with ``git add -f``.
-
-Layout written by :func:`write_demo_assets`::
-
-    assets/
-      demo_pairs.jsonl            # preference pairs, chat "messages" format
-      tiny-llama/                 # what `hf download REPO --revision DEMO_REVISION --local-dir` leaves
-        config.json  generation_config.json  model.safetensors
-        tokenizer.json  tokenizer_config.json  chat_template.jinja
-        .cache/huggingface/.gitignore  .cache/huggingface/CACHEDIR.TAG
-        .cache/huggingface/download/<file>.metadata   # commit, etag, timestamp (one per line)
-
-The JSON files are written by this module (sorted keys, no ``transformers_version``), not by
-``save_pretrained``, so the bytes do not depend on the installed transformers release. ``model.safetensors``
-comes from ``save_pretrained(safe_serialization=True)`` on weights drawn from a seeded ``torch.Generator``.
-
-Demo task design: every pair is a short list task whose chosen answer is correct and whose rejected answer
-is the same list with exactly one adjacent pair of distinct items swapped. The error is therefore local (one
-bad bigram, e.g. a descent inside an ascending run), which a tiny causal LM learns with DPO in minutes on a
-CPU.
+Details: docs/architecture.md, "Module notes", ``demo/build.py``.
 """
 
 from __future__ import annotations

@@ -7,21 +7,7 @@ HF ``Trainer._save_checkpoint`` (the same code in transformers 5.17 and 5.24) wr
 writes into ``<output_dir>/.pair_dpo_staging/checkpoint-N`` instead (its ``_get_output_dir`` is pointed there for the
 duration of the save; every rank writes its own files, DeepSpeed ZeRO-3 shards and RNG states included), then:
 
-1. the main process writes the reference identity (``pair_dpo_reference.json``) into the staged directory;
-2. all ranks agree that every rank's writes succeeded (one CPU collective); one process per node fsyncs the tree;
-3. the main process writes the manifest ``pair_dpo_checkpoint.json`` (step, every file with its size, the schedule
-   fingerprint), fsyncs it, renames the staged directory to ``checkpoint-N`` and fsyncs ``output_dir``;
-4. only then are old checkpoints rotated out, each renamed to a hidden ``.pair_dpo_trash-*`` name before it is
-   deleted, so a visible checkpoint is always whole.
-
-A checkpoint is *complete* when its manifest exists and every file it lists has the recorded size
-(:func:`checkpoint_problem`). The identity file is not listed: it is written before the rename like every other file,
-and its content is checked on resume by the reference gate, which names what is wrong with it (``identity_missing``,
-``identity_malformed``, ``reference_changed``, ``environment_drift``).
-
-A failure on any rank is agreed on by all ranks, the staged directory is removed, and every rank raises; a full disk
-raises :class:`~pair_dpo_trainer.errors.CheckpointError` ``disk_full`` naming the directory and its free space
-(torch's own error was ``RuntimeError: basic_ios::clear: iostream error``).
+Details: docs/architecture.md, "Module notes", ``fault_tolerance/checkpoint.py``.
 """
 
 from __future__ import annotations

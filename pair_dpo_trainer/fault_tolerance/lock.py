@@ -6,13 +6,7 @@ temporary file and hard-linked to the lock name, which fails if the name exists 
 so a reader never sees a half-written lock. The check-and-create runs under an advisory ``flock`` of the directory
 where the filesystem supports it, so two runs taking over the same stale lock cannot both win.
 
-A lock whose holder is dead is taken over with a warning; "dead" is decided only on the holder's own host: no such
-pid, a pid with another kernel start time (the pid was reused), or another boot id (the machine rebooted). A lock from
-another host is never taken over (this host cannot see that process): the error says which file to delete if that run
-is gone.
-
-The lock is re-entrant within one process (several trainers of one script on the same directory share it) and is
-released when its last holder releases it, at interpreter exit, or (SIGKILL, power loss) taken over by the next run.
+Details: docs/architecture.md, "Module notes", ``fault_tolerance/lock.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 exits with :data:`PREEMPTED_EXIT_CODE`.
 
 The handler only records the signal. At every optimizer-step boundary (``on_step_end``, never per micro-batch) the
-ranks agree on it with one 8-byte all-reduce over the CPU group (:func:`~pair_dpo_trainer.parallel.agreement.any_rank_cpu`,
+ranks agree on it with one 8-byte all-reduce over the CPU group
+(:func:`~pair_dpo_trainer.parallel.agreement.any_rank_cpu`,
 no GPU sync): a signal that reached only some ranks (a scheduler that signals one node, a user's ``kill``) stops all
 of them after the same step. The Trainer then saves a checkpoint (``control.should_save``, whatever the save
 strategy) and ends the loop; ``PairDPOTrainer.train`` raises :class:`TrainingPreempted`, a ``SystemExit`` with code

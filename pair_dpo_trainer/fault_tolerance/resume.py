@@ -3,18 +3,7 @@
 ``resume_from_checkpoint`` accepts, in ``PairDPOTrainer.train`` and as ``--resume_from_checkpoint`` of ``train.py``
 (where ``TrainingArguments`` keeps it as a string):
 
-- ``True`` / ``"true"`` / ``"latest"``: the newest *complete* checkpoint of ``output_dir`` (see
-  :func:`~pair_dpo_trainer.fault_tolerance.checkpoint.checkpoint_problem`); newer incomplete ones (and saves an interrupted
-  run left in the staging directory) are skipped with a warning naming them; ``no_checkpoint`` when there is none.
-- ``"auto"``: the same, but a fresh start when there is no checkpoint yet (the one command line of a job that is
-  requeued after preemption).
-- a path: that checkpoint; ``checkpoint_incomplete`` when its manifest lists a missing or truncated file (a checkpoint
-  without a manifest, from an older version, is accepted with a warning).
-- ``None`` / ``False`` / ``"false"`` / ``""``: no resume.
-
-On resume the checkpoint's schedule fingerprint (dataset pair costs, seed, layout: what the sampler's plan depends
-on) must equal this run's: otherwise the resumed step would index other pairs (``resume_data_mismatch``, unless
-``allow_resume_data_mismatch=True``, which logs what it accepts).
+Details: docs/architecture.md, "Module notes", ``fault_tolerance/resume.py``.
 """
 
 from __future__ import annotations

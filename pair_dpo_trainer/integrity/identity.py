@@ -2,21 +2,7 @@
 
 ``pair_dpo_reference.json`` (sorted keys, indent 2, written atomically) holds:
 
-* ``repo_id``, ``revision``, ``pinned``: where the reference came from; ``pinned`` is true only when the
-  snapshot was verified by ``verify_snapshot`` against a full commit hash.
-* ``manifest_digest`` and ``files`` (path -> digest): the verified snapshot (``None`` / ``{}`` when unpinned).
-* ``param_digest``: ``parameter_digest`` of the loaded reference parameters.
-* ``probe_digest``: ``probe_digest`` of the reference log-probs of a fixed probe batch, rounded to
-  ``PROBE_DECIMALS`` decimal places.
-* ``versions`` (torch, transformers, accelerate, deepspeed if installed, pair_dpo_trainer, python) and
-  ``device``.
-* ``synced_step``: the optimizer step of the last TR-DPO sync (``sync_ref_model``) when the reference is no longer
-  the snapshot but a mix of it and the policy (digests then cover the synced weights); null otherwise.
-
-``compare_identity`` tells which of manifest / parameters / probe differ. A changed manifest or parameter
-digest means the reference changed (``reference_changed``, fatal). A changed probe digest alone means
-environment drift (``environment_drift``): a different GPU, driver or kernels, not corruption; the caller
-logs a warning.
+Details: docs/architecture.md, "Module notes", ``integrity/identity.py``.
 """
 
 from __future__ import annotations

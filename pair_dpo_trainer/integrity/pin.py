@@ -1,19 +1,6 @@
 """``pair-dpo pin DIR``: pin a local model directory (a ``save_pretrained`` output) so it verifies like a Hub download.
 
-A directory you saved yourself has no ``.cache/huggingface/download`` metadata, so it cannot be verified against a
-revision. ``pin_snapshot`` hashes every payload file once, as the Hub names files (Git blob SHA-1 for regular files,
-SHA-256 for LFS files), derives a 40-hex revision from the contents, and writes the metadata in the Hugging Face
-local-dir format (``.cache/huggingface/download/<file>.metadata``: revision, etag, timestamp; plus ``.gitignore`` and
-``CACHEDIR.TAG``), exactly what ``hf download --local-dir`` leaves. ``verify_snapshot`` (and the trainer's gate with
-``ref_model_revision=<that revision>``) then works unchanged: any byte changed, file added or removed afterwards is
-refused.
-
-The revision is ``sha1(b"pair_dpo_trainer pin v1\\n" + manifest listing)``: the same bytes give the same revision on
-any machine; it is not a Hub commit.
-
-Which files are LFS: what the Hub's default ``.gitattributes`` stores with LFS (``LFS_PATTERNS``: weights, archives,
-arrays) and every file over the Hub's 10 MB limit for regular files. Either kind verifies; the choice only makes the
-etags match the ones the Hub would show after an upload.
+Details: docs/architecture.md, "Module notes", ``integrity/pin.py``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,10 @@
 """One hashing of the reference snapshot per node: the local main proves it, the node's other ranks check the proof.
 
 Hashing a 70B snapshot reads ~140 GB; every rank of a node doing it reads the same bytes eight times. Instead
-(:func:`pair_dpo_trainer.reference.source.resolve_reference_source` through :class:`~pair_dpo_trainer.parallel.node.Node`):
+(:func:`pair_dpo_trainer.reference.source.resolve_reference_source` through
+:class:`~pair_dpo_trainer.parallel.node.Node`):
 
-1. the node's local main runs the full :func:`~pair_dpo_trainer.integrity.snapshot.verify_snapshot` and, with it, a
-   :class:`SnapshotProof` (:func:`verify_and_prove`): for each file it hashed, the digest and the file's stamp
-   (device, inode, size, mtime and ctime in nanoseconds) taken before hashing and again after;
-2. the proof reaches the node's other ranks over the job's own process group (never through a file another user
-   could write), and each rank runs :func:`verify_with_proof`: every check but hashing itself (pinned revision, path
-   safety, metadata parsed and naming the revision, completeness, the etag of every file), then, per file, it trusts
-   the proof only when the proof is for the same revision and resolved root, holds the same resolved path, kind and
-   digest equal to the etag the rank read itself from the metadata, and the file's stamp now equals the proof's.
-   Every other file is hashed by the rank itself, so a rank accepts nothing it would refuse: a proof that does not
-   match what it checks is worth nothing (the rank then hashes, and fails with ``hash_mismatch`` where the bytes are
-   wrong).
-
-Why a stamp is enough for the next seconds of the same job: any write to a file changes its mtime and ctime, a
-rename or copy its inode, and ctime cannot be set back by a user (``touch -d`` moves mtime, and sets ctime to now).
-A file whose stamp changed while the main hashed it, or whose ctime or mtime is less than :data:`RACY_SECONDS` old
-when the main checks (a write within one timestamp tick of coarse file systems could then keep the stamp), is left
-out of the proof: every rank hashes it. A proof lives only in memory, for one job: a later run hashes again.
+Details: docs/architecture.md, "Module notes", ``integrity/proof.py``.
 """
 
 from __future__ import annotations

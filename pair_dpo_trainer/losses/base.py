@@ -26,7 +26,8 @@ class PairLogps:
 
     Attributes:
         policy_chosen_logps / policy_rejected_logps: Summed completion-token log-probs of the policy (LD-DPO
-            weighted when ``ld_alpha`` is set, see :func:`pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`).
+            weighted when ``ld_alpha`` is set, see
+            :func:`pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`).
         ref_chosen_logps / ref_rejected_logps: The same for the reference (0 when there is none).
         chosen_token_counts / rejected_token_counts: Scored completion tokens per sequence.
         policy_chosen_nll_logps: The plain (never LD-weighted) summed chosen log-probs, for NLL terms; None means
@@ -113,7 +114,8 @@ class AotMatch:
 class StepContext:
     """Quantities of the whole optimizer step (all ranks, all micro-batches) that step-level objectives need.
 
-    The trainer builds one per micro-batch before the step starts (``training.step_context``); without one (evaluation, or a
+    The trainer builds one per micro-batch before the step starts (``training.step_context``); without one
+    (evaluation, or a
     direct call) each objective falls back to the micro-batch alone, as TRL does.
 
     Attributes:

@@ -2,26 +2,7 @@
 
 How it plugs into transformers 5.x (checked in 5.17 and 5.24):
 
-* ``AttentionInterface.register("pair_varlen", pair_varlen_attention_forward)`` makes the name valid for
-  ``model.set_attn_implementation`` / ``from_pretrained(attn_implementation=...)``; every attention layer of
-  Llama, Qwen2, Qwen3, Mistral, ... then calls our function with ``query/key/value`` of shape
-  ``[B, H, T, D]`` and, as keyword arguments, whatever extra keywords the model's ``forward`` received: we
-  pass ``cu_seq_lens_q/k`` and ``max_length_q/k`` (see :func:`packed_forward_kwargs`).
-* No function is registered in ``AttentionMaskInterface`` on purpose:
-  ``masking_utils._preprocess_mask_arguments`` returns early with mask ``None`` for an implementation that has
-  no mask function, so no ``[T, T]`` mask is built and ``find_packed_sequence_indices`` (which syncs with the
-  device) never runs. The flip side: transformers drops a 2D ``attention_mask`` for this implementation, so
-  packed rows must never rely on one (right-padded rows stay correct: each row is then one causal sequence).
-
-Backends (:func:`select_attn_backend`):
-
-* ``flash_attn``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, when the package imports).
-* ``torch_varlen``: ``torch.nn.attention.varlen.varlen_attn`` (torch >= 2.10, CUDA only: on CPU torch 2.13 it
-  raises ``NotImplementedError`` for ``aten::_flash_attention_forward``), fp16/bf16.
-* ``sdpa_segments``: ``scaled_dot_product_attention`` once per ``cu_seqlens`` segment with ``is_causal=True``.
-  Exact and mask-free (a sliding window builds a ``[L, L]`` band mask for a segment longer than the window,
-  never a ``[T, T]`` one). It reads the segment bounds on the host (``tolist``), so on CUDA it syncs once per
-  layer: the CPU and fallback path.
+Details: docs/architecture.md, "Module notes", ``modeling/attention.py``.
 """
 
 from __future__ import annotations

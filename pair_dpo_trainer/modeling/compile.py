@@ -2,28 +2,7 @@
 
 Why regional, in place and dynamic:
 
-* A small model on a fast GPU is bound by kernel launches, not FLOPs: in eager mode a Llama decoder layer is ~40
-  small kernels forward (RMSNorm, rotary, SiLU-gate, residuals, layout copies) and about twice that backward.
-  Inductor fuses the pointwise chains into a few Triton kernels per layer; the matmuls and the varlen attention
-  kernel stay library calls.
-* Only the repeated layers are compiled (the "regional compilation" recipe also used by accelerate's
-  ``compile_regions``): every layer runs the same code, so one graph serves all of them and the compile cost is
-  one layer's, not the model's.
-* ``Module.compile()`` compiles in place (``_compiled_call_impl``): parameter names, ``state_dict`` keys,
-  checkpoints and the reference identity are unchanged, and wrappers (DDP, DeepSpeed ZeRO-1/2) see the same module.
-* Packed rows change length every micro-batch (``T``, the number of sequences, and the longest sequence): with
-  ``dynamic=True`` the tensor sizes are symbolic from the first compile; the longest-sequence int
-  (``max_length_q/k``) is specialised on first sight and made symbolic when it first changes. Measured on an H200
-  (``tests/test_gpu_packed.py``): one recompile, then one graph per mode (train, no-grad) for every micro-batch.
-  The attention function passes a symbolic int to the kernel as it is.
-
-``pad_to_budget=True`` (rows of exactly ``max_tokens_per_microbatch`` tokens) makes the row length static; the
-segment count and the longest segment still vary, so ``dynamic=True`` stays. CUDA graphs stay refused: one compiled
-graph serves every layer, each call's input being the previous call's output, the pattern CUDA graph trees do not
-support for regional compilation (pytorch/pytorch#152887; ``benchmarks/cudagraph_probe.py`` checks it on a GPU).
-
-Not here: compiling the LM head (the chunked log-prob function is a handful of large matmuls already) and
-ZeRO-3 (DeepSpeed's per-module parameter hooks are incompatible with tracing the layer; the config refuses it).
+Details: docs/architecture.md, "Module notes", ``modeling/compile.py``.
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
 """Per-sequence log-probabilities of completions, for packed rows (chunked) and padded rows (reference).
 
-The packed path never materialises ``[T, V]`` logits: the final hidden states of the scored positions only
-(``batch.completion_positions``, usually well under half of the row) are projected onto the vocabulary
-``chunk_size`` rows at a time, inside a custom autograd function that keeps only the per-token log-probs and
-log-sum-exps and recomputes each chunk's logits in backward (one extra ``[c, H] x [H, V]`` matmul per chunk).
-Temporaries are a few ``[chunk_size, V]`` tensors, plus a float32 ``[V, H]`` gradient accumulator in backward
-when the head weight is bf16/fp16: a fraction of the naive path's peak memory for some extra time (measured:
-``docs/benchmarks.md``, "Packed log-probs and attention").
-
-The hot path has no host synchronisation: no ``.item()``, no ``.cpu()``, no boolean indexing; per-sequence
-sums use ``index_add`` with ``sequence_index``.
-
-Wrappers and ZeRO-3: the forward runs through the (possibly wrapped) top-level model, so DDP / DeepSpeed
-forward hooks fire, with ``logits_to_keep`` set to an empty index (the model's own ``lm_head`` call sees 0
-rows); the final hidden states are captured by a forward hook on ``model.get_decoder()``. When the head weight
-is a partitioned ZeRO-3 parameter (it has ``ds_id``), the chunked computation runs inside ONE call of the head module
-so that DeepSpeed gathers it exactly once per forward on every rank (:func:`module_chunked_token_logps`;
-``tests/test_deepspeed.py`` gives the ranks different numbers of chunks). Under FSDP2 the chunked computation runs
-inside the model's own call of the head instead (:func:`in_forward_token_logps`): that is where FSDP2 has the
-unsharded weight, once per forward on every rank (``tests/test_fsdp2.py``).
+Details: docs/architecture.md, "Module notes", ``modeling/logprobs.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Ranks that disagree about the schedule would run different numbers of forwards and backwards; under ZeRO-3 that
 deadlocks inside a collective. These checks run once before the first step, on the CPU, with a timeout: the run's
-``ddp_timeout`` once training starts (``fault_tolerance/collectives.py`` sets it on every group), ``AGREEMENT_TIMEOUT`` before.
+``ddp_timeout`` once training starts (``fault_tolerance/collectives.py`` sets it on every group),
+``AGREEMENT_TIMEOUT`` before.
 The same group carries the few other host-side agreements of a run (stop on preemption at a step boundary, checkpoint
 status).
 """

@@ -2,24 +2,7 @@
 
 Two gaps close here:
 
-- **Every process group gets the run's ``ddp_timeout``.** The Trainer passes ``ddp_timeout`` to
-  ``init_process_group`` only on accelerators: with ``use_cpu=True`` (gloo) the default group kept torch's 30-minute
-  default, so a stopped rank hung its peers for half an hour. DeepSpeed's own groups (``new_group`` without a
-  timeout) and this package's CPU agreement group had their own defaults too. :func:`apply_collective_timeout` sets
-  ``ddp_timeout`` on every group that exists (``torch.distributed.distributed_c10d._set_pg_timeout``, gloo and
-  NCCL), when training starts and again once the Trainer has built its engines (``on_train_begin``).
-- **The failure names what timed out.** Gloo raises ``RuntimeError: ... Timed out waiting 10000ms for recv
-  operation to complete``; :func:`collective_failure` turns it (and "connection closed by peer") into a
-  :class:`~pair_dpo_trainer.errors.RunError` ``collective_timeout`` / ``peer_lost`` naming the collective (from the
-  traceback: ``all_gather`` in ``transformers.trainer_pt_utils``, the DDP gradient all-reduce in ``backward``, ...),
-  the rank and ``ddp_timeout``.
-
-NCCL (the same timeout, the same call): a collective that exceeds the group's timeout is caught by
-ProcessGroupNCCL's watchdog thread. With ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default (3 in torch 2.11-2.13:
-tear the process down) the watchdog logs ``Watchdog caught collective operation timeout: WorkNCCL(SeqNum=...,
-OpType=ALLREDUCE, ..., Timeout(ms)=...)`` and ends the process; with ``TORCH_NCCL_BLOCKING_WAIT=1`` the waiting call
-raises instead and :func:`collective_failure` names it like a gloo timeout. ``TORCH_NCCL_ASYNC_ERROR_HANDLING=0``
-without blocking wait switches both off (a stall hangs forever): :func:`check_nccl_error_handling` refuses it.
+Details: docs/architecture.md, "Module notes", ``parallel/collectives.py``.
 """
 
 from __future__ import annotations
@@ -50,7 +33,8 @@ _PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broke
 def end_process_group() -> None:
     """Ends the job's process groups (every rank together) before a process exits on purpose.
 
-    Called on every rank right before :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` is raised and
+    Called on every rank right before :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` is
+    raised and
     at the end of ``train.py``. A gloo group still alive at interpreter exit can abort the process from a C++
     destructor ("terminate called without an active exception", exit status -6 instead of 75) when a peer exits
     first; CI saw it on one rank of two. The barrier makes sure no peer is still in a collective when the groups go.

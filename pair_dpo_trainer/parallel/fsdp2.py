@@ -6,27 +6,7 @@ The policy is sharded by Accelerate itself (``FullyShardedDataParallelPlugin`` w
 the plugin's ``reshard_after_forward``, mixed precision, CPU offload and activation checkpointing. This module only
 makes sure that the FSDP2 the user asked for is what runs, and tells the packed path when a module is sharded:
 
-- **Switched on where Accelerate drops it.** Accelerate 1.15 enables FSDP only on accelerator devices: with
-  ``fsdp=...`` / ``fsdp_config`` (TrainingArguments) or ``distributed_type: FSDP`` (``accelerate launch``) on CPU
-  processes its state stays ``MULTI_CPU``, the plugin is discarded and the Trainer trains plain DDP with exit code 0.
-  :func:`setup_fsdp2` installs the plugin in Accelerate's state instead (``fully_shard`` runs on the CPU over gloo),
-  so what is asked is what runs, on every device. That is how the 2-process CPU tests shard for real.
-- **Refused, never a fallback**: FSDP1 (``fsdp_version: 1``), ``cpu_ram_efficient_loading`` (only rank 0 would hold
-  the weights the reference is copied or verified from), a ``parallelism_config`` (tensor / context / sequence
-  parallel meshes split the packed rows), FSDP's activation checkpointing together with the Trainer's
-  ``gradient_checkpointing`` (the layers would be recomputed twice) or with ``torch_compile``, ``save_only_model``
-  where the Trainer refuses it under FSDP, and a run without a process group.
-- **No output cast.** Accelerate's bf16/fp16 policy sets ``MixedPrecisionPolicy(output_dtype=...)``, which casts
-  every FSDP unit's floating outputs, the LM head's included. The packed path returns float32 per-token log-probs
-  from the head (see :func:`pair_dpo_trainer.modeling.logprobs.packed_sequence_logps`); cast to bf16 they would lose ~3
-  significant digits before the per-sequence sums. The policy's ``output_dtype`` is therefore cleared: parameters
-  and the reduce-scatter keep the plugin's dtypes, and the decoder layers compute in ``param_dtype`` (their
-  inputs are still cast, ``cast_forward_inputs``), so only the head's float32 result is left as it is.
-
-The LM head under FSDP2 (:func:`is_fsdp_managed`): its weight is a sharded DTensor outside the unit's forward, so the
-chunked log-prob computation runs *inside* the model's own single call of the head, where FSDP has all-gathered the
-weight: once per forward on every rank, whatever the number of scored tokens, as ``module_chunked_token_logps``
-does for ZeRO-3. Tied embeddings share that one unsharded weight.
+Details: docs/architecture.md, "Module notes", ``parallel/fsdp2.py``.
 """
 
 from __future__ import annotations

@@ -3,20 +3,7 @@
 Used for what every rank of a node would otherwise repeat: tokenising the datasets (the other ranks then
 memory-map the Arrow files it wrote) and hashing the reference snapshot (the other ranks check its proof).
 
-:meth:`Node.once`, called by every rank of a job in the same order:
-
-1. the ranks all-gather their node ids over the CPU group (a node is named by the global rank of its local main,
-   ``process_index - local_process_index``), so that every rank knows which nodes take part;
-2. each node's local main (``local_process_index == 0``) runs ``work()``; a thread publishes a heartbeat in the job's
-   key-value store (the default process group's store) every :data:`HEARTBEAT_SECONDS` while it runs, and the outcome
-   (the value, or the exception ``work()`` raised) is published there when it ends;
-3. every rank waits until every node's outcome is published, then takes its own node's: a value is returned, an
-   exception is raised on every rank of the node as itself (reason code included, :mod:`pair_dpo_trainer.errors`).
-
-Why a heartbeat and not a barrier: a barrier bounds the whole work by ``ddp_timeout`` (30 minutes by default), and
-tokenising millions of rows on a slow node can take longer; here ``ddp_timeout`` bounds a *stall* (no heartbeat for
-that long: ``local_main_stalled`` on the waiting ranks), while a dead local main ends the job through the launcher as
-before. A single process (no process group) just runs ``work()``.
+Details: docs/architecture.md, "Module notes", ``parallel/node.py``.
 """
 
 from __future__ import annotations

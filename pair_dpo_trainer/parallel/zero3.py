@@ -6,14 +6,7 @@ projections, 3 MLP projections, 2 norms, the rotary embedding), so a 24-layer mo
 per forward and as many again in backward. With small per-GPU batches that host work, not the GPU, sets the step
 time (measured on 2 GPUs: ``docs/benchmarks.md``, ZeRO-3 sections).
 
-DeepSpeed's own remedy is the *leaf module* (``deepspeed.utils.set_z3_leaf_modules``; its docstring names "models with
-excessively fine-grained nested modules"): hooks stop at a leaf, and entering the leaf gathers all of its parameters at
-once. ``PairDPOConfig.zero3_leaf_modules="auto"`` (the default) makes every repeated decoder layer a leaf, for a
-full-parameter policy and for a ZeRO-3 reference (not for a PEFT policy: see :func:`zero3_leaf_setup`). It raises the
-per-GPU throughput over per-submodule hooks (``docs/benchmarks.md``) with the same losses, also with gradient
-checkpointing (``tests/test_deepspeed.py``). The cost is memory: a whole layer is gathered at a time (one layer's
-parameters in the compute dtype), plus what the prefetch bucket holds ahead. ``"none"`` keeps DeepSpeed's per-submodule
-hooks; a comma-separated list of class names marks those classes.
+Details: docs/architecture.md, "Module notes", ``parallel/zero3.py``.
 """
 
 from __future__ import annotations

@@ -3,33 +3,7 @@
 With DeepSpeed the frozen reference is a second ``deepspeed.initialize``-d engine built from the run's DeepSpeed
 configuration (the one the Trainer uses for the policy), changed as follows:
 
-- ``optimizer`` and ``scheduler`` are removed, the model is ``eval()`` and ``requires_grad_(False)`` before
-  ``deepspeed.initialize``: nothing of it is ever trained or checkpointed. (DeepSpeed still sets
-  ``engine.optimizer`` to its ZeRO-3 parameter-offload object; frozen-ness is the parameters' ``requires_grad``.)
-- ZeRO stage 3 for the policy -> ZeRO stage 3 for the reference (each rank holds a slice of every parameter it
-  partitions), ``offload_optimizer`` removed, and ``offload_param`` set from ``PairDPOConfig.ref_offload_params``
-  (True: CPU memory, False: on the accelerator, None: the policy's own ``offload_param``). Any other stage -> stage
-  0: the reference is replicated on every rank (it has no gradients or optimizer state to shard, and stages 1/2
-  shard only those). ``PairDPOConfig.ref_zero_stage=0`` makes a ZeRO-3 run's reference stage 0 too (replicated:
-  its forward gathers no parameters, at the cost of a whole copy of its weights in the compute dtype on every
-  rank); ``ref_zero_stage=3`` insists on a sharded reference and needs a ZeRO-3 policy.
-- The three hidden-size dependent ZeRO-3 tuning values follow the Trainer's and TRL's ``prepare_deepspeed`` rule,
-  from the reference's ``hidden_size`` ``h``, unless the configuration sets a number (not ``"auto"``):
-  ``reduce_bucket_size = h*h``, ``stage3_prefetch_bucket_size = int(0.9*h*h)`` (prefetch about one layer's
-  largest matrices ahead of use) and ``stage3_param_persistence_threshold = 10*h`` (parameters of at most ``10h``
-  elements, such as norms and biases, stay gathered: re-gathering them every layer costs more latency than their
-  memory). These are the only ``"auto"`` values the Trainer fills late (in ``deepspeed_init`` during ``train()``),
-  so resolving them here makes the reference configuration complete at any time: the engine can be built before
-  the policy engine, which lets the trainer verify the reference before any checkpoint state is restored.
-  Tests set ``stage3_param_persistence_threshold: 0`` so that a tiny model is really partitioned.
-- Loading: once a ZeRO-3 Trainer exists, transformers' ``from_pretrained`` partitions every model at load time
-  (``deepspeed.zero.Init``) with the run's configuration; :func:`reference_zero_init` makes it use the reference's
-  configuration instead, so its partitions are created where its engine keeps them (``offload_param``), or, for a
-  stage 0 reference in a ZeRO-3 run, loads it whole (no ``zero.Init`` at all).
-
-The parameter digest of the reference identity never needs the whole model on one device: ZeRO-3 parameters are
-gathered one at a time with ``deepspeed.zero.GatheredParameters`` (a collective: every rank gathers the same
-parameter in the same sorted-name order) and copied to the CPU for hashing.
+Details: docs/architecture.md, "Module notes", ``reference/deepspeed.py``.
 """
 
 from __future__ import annotations

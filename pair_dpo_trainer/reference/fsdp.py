@@ -3,28 +3,7 @@
 Under an FSDP2 policy (``parallel.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
 ``accelerator.prepare`` takes one model). It is built here, in one of two layouts (``PairDPOConfig.ref_fsdp_shard``):
 
-- **Sharded** (default, ``None`` or ``True``): its parameters cast to the policy's FSDP2 compute dtype
-  (``param_dtype`` of the plugin's mixed-precision policy: bf16 with ``bf16=True``; unchanged in fp32; buffers keep
-  their dtype, as under the policy's mixed-precision policy: :func:`cast_parameters`), ``eval()``,
-  ``requires_grad_(False)``, then ``fully_shard`` on every decoder layer, on the input embedding (when it is not
-  tied to the head) and on the root (final norm, head), each with ``reshard_after_forward=True``: a unit is
-  all-gathered for its forward and freed right after, so the reference never holds more than one layer unsharded
-  (TRL's ``prepare_fsdp`` shards only the root, which all-gathers the whole model for every forward). No
-  gradients, no optimizer state, no reduce-scatter: the reference only ever runs forwards under ``no_grad``. Each
-  rank keeps ``1/world_size`` of every parameter; ``ref_offload_params=True`` keeps those shards in CPU memory
-  (``CPUOffloadPolicy``; ``None`` follows ``fsdp_offload_params``). Stored in the compute dtype, its all-gathers
-  move half the bytes of an fp32 copy.
-- **Replicated** (``ref_fsdp_shard=False``): the same cast, whole on every rank, a plain module: no all-gathers and
-  no FSDP hooks in its forward, at the cost of a whole copy per GPU (2 bytes per parameter in bf16).
-
-Both layouts compute the same log-probs (the same dtype, the same kernels) and have the same identity: the
-parameter digest hashes each parameter's full value, gathered one parameter at a time with
-``DTensor.full_tensor()`` (a collective, in sorted-name order on every rank: never the whole model on one rank;
-:func:`~pair_dpo_trainer.reference.deepspeed.gathered_named_parameters`), so a checkpoint written with one layout
-resumes with the other, and a precompute cache is shared by both.
-
-With ``torch_compile`` the reference's decoder layers are compiled in place *before* ``fully_shard`` (the order
-Accelerate uses for the policy, ``compile_regions_fsdp2``), so FSDP's hooks stay outside the compiled regions.
+Details: docs/architecture.md, "Module notes", ``reference/fsdp.py``.
 """
 
 from __future__ import annotations

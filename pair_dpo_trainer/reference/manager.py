@@ -2,24 +2,7 @@
 
 Timeline of a run (:class:`ReferenceManager`):
 
-- ``__init__`` (in ``PairDPOTrainer.__init__``): without DeepSpeed and without ``precompute_ref_log_probs`` the
-  reference is built and identified at once. Otherwise nothing is built yet: a DeepSpeed reference engine
-  is built lazily, and a precomputed run may never build it (cache hit).
-- :meth:`ReferenceManager.prepare` (``PairDPOTrainer.train`` before ``Trainer.train``, and ``evaluate``): builds the
-  lazy reference, computes its identity, checks it against the checkpoint's ``pair_dpo_reference.json`` on resume,
-  and for ``precompute_ref_log_probs`` runs the reference pass (or reads the cache) and frees the reference.
-- TR-DPO (``sync_ref_model``): :meth:`ReferenceManager.sync_with` mixes the policy into the reference at a step
-  boundary; :meth:`ReferenceManager.checkpoint_identity` / :meth:`ReferenceManager.write_synced_weights` record the
-  synced identity and weights in a checkpoint,
-  and a resume loads those weights before the identity check (``reference/sync.py``).
-
-Why there and not in a Trainer hook after ``deepspeed_init``: ``PairDPOTrainer.train`` runs before the Trainer
-restores anything from a checkpoint on every path (without DeepSpeed ``Trainer.train`` loads the policy weights
-before ``_inner_training_loop``; with DeepSpeed ``_prepare_for_training`` loads the engine state right after
-``accelerator.prepare``), so the identity is checked before any state is restored and before any step. The only
-DeepSpeed values that ``deepspeed_init`` resolves late are the three hidden-size ZeRO-3 tuning values, which
-:func:`~pair_dpo_trainer.reference.deepspeed.reference_ds_config` resolves itself; and a precompute pass run there has
-the accelerator to itself (no policy engine, no optimizer state yet).
+Details: docs/architecture.md, "Module notes", ``reference/manager.py``.
 """
 
 from __future__ import annotations

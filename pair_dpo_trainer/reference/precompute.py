@@ -7,14 +7,7 @@ that has stopped). The per-pair log-probs are gathered over the CPU group, writt
 then carry ``ref_chosen_logps`` / ``ref_rejected_logps``; the collator packs them into ``PackedPairBatch.ref_logps``
 and :class:`PrecomputedReference` returns them, so the reference model is freed before the first step.
 
-Cache: one file per dataset, ``<cache_dir>/ref_logps-<key digest>.pt`` (``torch.save`` of plain tensors and
-strings, loaded with ``weights_only=True``), written by the main process to a temporary file in the same directory
-and renamed into place. The key (:func:`cache_key`) is everything the values depend on: the dataset fingerprint
-(SHA-256 of the three token-id columns), the reference (the verified manifest digest, or the parameter digest of
-the starting weights when unpinned), ``max_length`` / ``max_prompt_length``, the compute precision, the package
-version and, for LD-DPO, ``ld_alpha`` (the cached sums are LD-weighted like the online reference's). The file also
-holds the reference identity, so a run that reuses the cache (a later run, or a resume) can write the identity
-beside its checkpoints and check it on resume without building the reference at all.
+Details: docs/architecture.md, "Module notes", ``reference/precompute.py``.
 """
 
 from __future__ import annotations

@@ -4,20 +4,7 @@ Training drops the remainder smaller than one step; evaluation must not. The las
 pairs, and under ZeRO-3 every rank must still run the same number of forwards, so such a rank gets a duplicate pair
 of weight 0: it runs the forward, and its metrics do not count.
 
-With a token budget (``max_tokens_per_microbatch``, the training budget) a rank takes every ``world_size``-th pair of
-the longest-first order and closes a micro-batch when the next pair would pass the budget or the pair cap; ranks that
-end up with fewer micro-batches get weight-0 fillers (the cheapest pair, alone).
-
-Example:
-    5 pairs, 2 ranks, 2 pairs per micro-batch, costs ``[9, 1, 8, 2, 7]`` (order: by cost, longest first)::
-
-        rank 0: [[(0, 1.0), (4, 1.0)], [(1, 1.0)]]
-        rank 1: [[(2, 1.0), (3, 1.0)], [(0, 0.0)]]      # (0, 0.0): a weight-0 filler
-
-    The same with a budget of 15 tokens (rank 0 takes pairs 0, 4, 1; rank 1 takes 2, 3)::
-
-        rank 0: [[(0, 1.0)], [(4, 1.0), (1, 1.0)]]
-        rank 1: [[(2, 1.0), (3, 1.0)], [(1, 0.0)]]      # (1, 0.0): the cheapest pair as a filler
+Details: docs/architecture.md, "Module notes", ``samplers/evaluation.py``.
 """
 
 from __future__ import annotations

@@ -4,17 +4,7 @@ The budget half of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch` (pure n
 ``steps * world_size`` rank rows at once; the Python loops run over the ``P`` pair slots of a row and over split
 rounds, never over steps or pairs):
 
-1. **Count.** First-fit decreasing (pairs by cost, heaviest first; each into the first micro-batch it fits) gives
-   the number of micro-batches each rank needs; FFD uses at most ``11/9 OPT + 6/9`` of them.
-2. **Agree.** ``M_step`` = the largest count over the ranks of the step: every rank of the step runs exactly
-   ``M_step`` micro-batches (under ZeRO-3 each micro-batch is a forward and a backward with collectives inside).
-3. **Balance.** Each rank splits its pairs into ``M_step`` micro-batches by longest-processing-time (heaviest pair
-   first, each into the currently lightest of the ``M_step``). Where that breaks the budget (tight rows, typically
-   the rank that set ``M_step``), the rank keeps its FFD packing instead and splits its fullest micro-batch (most
-   pairs; every second of its pairs by cost moves to a new one) until it has ``M_step``. Splitting never adds tokens
-   to a micro-batch, so the budget holds; ``M_step <= P`` because every pair fits alone.
-4. **Order.** A rank's micro-batches run heaviest first, so micro-step ``j`` is the ``j``-th heaviest on every rank
-   (loads of one micro-step roughly balanced across ranks); inside a micro-batch pairs keep their row order.
+Details: docs/architecture.md, "Module notes", ``samplers/packing.py``.
 """
 
 from __future__ import annotations

@@ -4,44 +4,9 @@ Entry point: :func:`plan_epoch` ``(costs, *, world_size, pairs_per_rank, microba
 seed, epoch)`` returns ``plan[step][rank][microbatch] -> list of pair indices``. :func:`plan_epoch_array` returns the
 same plan as an :class:`EpochPlan` (``int64`` arrays), which is what the sampler keeps.
 
-Costs:
-    ``costs[i]`` is a positive integer weight of pair ``i``; the package passes the token cost
-    ``2 * len(prompt) + len(chosen) + len(rejected)``, the length of the pair's two sequences in a packed row.
-
-Algorithm (``G = world_size * pairs_per_rank`` pairs per optimizer step):
-    1. **Draw the global batches.** ``rng = np.random.default_rng([seed, epoch])`` permutes all ``N``
-       indices; the tail ``N mod G`` of the permutation is dropped (so *which* pairs are dropped changes with
-       the epoch) and the rest is cut into ``steps = N // G`` consecutive global batches. This step sees only
-       ``G``, so global batches are identical (as sets) for every layout and budget with the same ``G``: the
-       property that makes DP/GA-invariance testable.
-    2. **Split each global batch over the ranks** with :func:`balanced_partition`, a cardinality-constrained
-       Karmarkar-Karp (balanced largest differencing method) followed by a swap refinement: every rank gets
-       exactly ``pairs_per_rank`` pairs, with nearly equal summed cost.
-    3. **Split each rank's pairs into micro-batches**, one of two ways:
-
-       * fixed count (``microbatches=M``): :func:`balanced_partition` again, ``M`` parts of sizes
-         :func:`microbatch_sizes` (``pairs_per_rank % M`` is made up with zero-cost dummies that never move),
-         larger micro-batches first, then heavier ones first;
-       * token budget (``max_tokens_per_microbatch=B``): :func:`~pair_dpo_trainer.samplers.packing.pack_rows`,
-         micro-batches of summed cost ``<= B``; in each step every rank gets the same count ``M_step``, the most
-         any rank of the step needs, heaviest micro-batch first.
-
-       Either way micro-step ``j`` is roughly balanced across ranks, and inside a micro-batch pairs keep their
-       order in the epoch permutation. All steps are planned at once with numpy (Python loops run over merge, swap
-       and packing rounds, never over steps or pairs); planning times and balance are in ``docs/benchmarks.md``.
-
-Guarantees:
-    * every pair index appears at most once per epoch and always whole (a pair is one index, never split);
-    * exactly ``N mod G`` pairs are dropped, the last ones of the epoch permutation;
-    * every rank gets exactly ``pairs_per_rank`` pairs per step in non-empty micro-batches; with ``microbatches``
-      exactly that many, of sizes ``ceil(pairs_per_rank / microbatches)`` then ``floor(...)``, on every rank and
-      step; with a budget each micro-batch costs ``<= B`` and all ranks of a step have the same count;
-    * the plan is a deterministic function of the arguments for a given numpy version (ties are broken by index,
-      no SIMD-dependent selection; numpy does not promise the ``Generator`` stream across versions, so ranks must
-      share one numpy: compare :meth:`EpochPlan.fingerprint`), computed on the host with no collective;
-    * no single exchange between the heaviest and the lightest rank (or fixed-count micro-batch) can lower their
-      maximum (a local optimum, unless the cap of ``4 * parts + 32`` swap rounds is hit). Balance itself is a
-      heuristic, not a bound.
+Algorithm (three steps: global batches from the seed, ranks balanced, micro-batches) and guarantees:
+docs/architecture.md,
+"Module notes", ``samplers/planner.py``.
 
 Example:
     >>> costs = [10, 1, 1, 10, 5, 5, 3, 7]

@@ -7,20 +7,7 @@ for one micro-batch. :func:`run_step` is that ``training_step``: it runs the ite
 through HF's own micro-batch ``training_step`` (forward, loss, ``accelerator.backward``) and controls when gradients
 are synchronised, as HF's inner loop does for its fixed count:
 
-* accelerate's ``GradientState.sync_gradients`` is False for every micro-batch but the last (HF sets it per item;
-  here it is set per micro-batch);
-* DDP: every micro-batch but the last runs inside ``accelerator.no_sync(model)``, so the gradient all-reduce happens
-  once, in the last backward;
-* DeepSpeed: the engine's gradient-accumulation boundary is set explicitly before each micro-batch
-  (``engine.set_gradient_accumulation_boundary(last)``; accelerate's wrapper sets the same value again at
-  ``backward``), so DeepSpeed's own micro-step counter (``gradient_accumulation_steps=1`` in its config) never
-  decides: the engine reduces its accumulated gradients and steps only after the last micro-batch. Under ZeRO-3 each
-  micro-batch's forward and backward gather parameters on every rank, which is why all ranks of a step run the same
-  count (the planner's ``M_step``).
-
-The loss scale is unchanged: each micro-batch returns ``world_size * sum(losses) / N`` with ``N`` the step's global
-pair count (``compute_loss``), so the accumulated gradient is that of the mean loss over the step's pairs for any
-budget, layout and count.
+Details: docs/architecture.md, "Module notes", ``training/accumulation.py``.
 """
 
 from __future__ import annotations
@@ -82,3 +69,32 @@ def run_step(
         total = loss if total is None else total + loss
     assert total is not None, "a StepBatch holds at least one micro-batch"
     return total
+
+
+def step_normalized_loss(losses: torch.Tensor, *, world_size: int, global_pairs: int | None) -> torch.Tensor:
+    """The micro-batch loss whose gradient, summed over the step's micro-batches and averaged over ranks by DDP /
+    DeepSpeed, is the gradient of the mean loss over the step's ``N = global_pairs`` pairs: ``W * sum(losses) / N``
+    (the Trainer does not divide by GA: ``loss_is_scaled_for_ga``). Evaluation (``global_pairs`` None) takes the
+    micro-batch mean.
+
+    Args:
+        losses: ``[n]`` per-pair losses of the micro-batch.
+        world_size: ``W``, the data-parallel ranks.
+        global_pairs: ``N``, the pairs of the optimizer step over every rank and micro-batch (from the schedule).
+
+    Example:
+        >>> step_normalized_loss(torch.tensor([1.0, 3.0]), world_size=2, global_pairs=8).item()
+        1.0
+    """
+    if global_pairs is None:
+        return losses.mean()
+    return losses.sum() * (world_size / global_pairs)
+
+
+def assert_finite_losses(losses: torch.Tensor) -> None:
+    """Fails the step on the device (no host sync) when a per-pair loss is NaN or inf."""
+    torch._assert_async(
+        torch.isfinite(losses).all(),
+        "[non_finite] a DPO loss is NaN/inf: non-finite logits or log-probs in this micro-batch "
+        "(check the learning rate, bf16 overflow, and the data).",
+    )

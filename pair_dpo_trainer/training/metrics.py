@@ -3,17 +3,7 @@
 ``update`` adds weighted sums into one small device tensor (no host sync); ``reduce`` sums it over ranks and moves it
 to the host once per logging event. Names are TRL 1.16's where the quantity is the same (docs/losses.md lists them):
 
-- pair means: ``loss``, ``rewards/chosen``, ``rewards/rejected``, ``rewards/margins``, ``rewards/accuracies``,
-  ``logps/chosen``, ``logps/rejected`` and, for a mixture, ``loss/<objective>`` per component;
-- token means over the completion tokens, from the chunked head (no ``[T, V]`` tensor): ``logits/chosen``,
-  ``logits/rejected`` (the mean logit over the vocabulary), ``entropy`` (chosen and rejected tokens) and
-  ``mean_token_accuracy`` (chosen tokens whose target is the argmax);
-- ``num_tokens``: packed tokens trained on so far (all ranks, prompt and both completions; kept in
-  ``TrainerState.num_input_tokens_seen``, so it continues across a resume); ``tokens_per_second`` /
-  ``pairs_per_second`` since the last log.
-
-TRL averages per-micro-batch values over the logging window; here every mean is weighted by pairs (or tokens) over
-the whole window and all ranks.
+Details: docs/architecture.md, "Module notes", ``training/metrics.py``.
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ def pair_logps_from_sequences(
     """Splits per-sequence ``[2n]`` log-probs into :class:`PairLogps` (the collators' layout:
     :func:`~pair_dpo_trainer.collators.packed.split_pairs`).
 
-    ``policy`` is the policy pass (:class:`~pair_dpo_trainer.modeling.logprobs.SequenceLogps`: LD-weighted and plain sums,
+    ``policy`` is the policy pass (:class:`~pair_dpo_trainer.modeling.logprobs.SequenceLogps`: LD-weighted and plain
+    sums,
     per-token statistics) or a plain ``[2n]`` tensor.
     """
     if isinstance(policy, torch.Tensor):
