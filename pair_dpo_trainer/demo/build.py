@@ -225,7 +225,7 @@ def build_demo_model(vocab_size: int, seed: int = DEMO_SEED) -> LlamaForCausalLM
     """
     config_dict = model_config(vocab_size)
     config = LlamaConfig(**{k: v for k, v in config_dict.items() if k != "dtype"})
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).float()
     _seeded_init(model, seed, config_dict["initializer_range"])
     return model.eval()
 
