@@ -83,6 +83,7 @@ def test_dynamic_layers_compile_once_for_every_packed_shape_without_graph_breaks
     assert first > before and _graphs() > first
 
 
+@pytest.mark.slow  # inductor compiles the layers on the CPU (~30 s)
 def test_inductor_layers_match_eager_logps_and_grads(traceable_varlen) -> None:
     batches = _batches(2)
     eager, model = tiny_llama(), tiny_llama()

@@ -40,6 +40,7 @@ def demo_run(tmp_path_factory):
     return out, metrics
 
 
+@pytest.mark.slow  # reads the module's demo run (~40 s on 2 cores)
 def test_default_run_learns_the_demo_preference(demo_run):
     out, metrics = demo_run
     history = json.loads((out / "trainer_state.json").read_text())["log_history"]
@@ -50,6 +51,7 @@ def test_default_run_learns_the_demo_preference(demo_run):
     assert metrics["eval_loss"] < math.log(2) - 0.1
 
 
+@pytest.mark.slow  # reads the module's demo run (~40 s on 2 cores)
 def test_default_run_writes_checkpoints_identity_and_curves(demo_run):
     out, _ = demo_run
     for step in (40, 80):
@@ -59,6 +61,7 @@ def test_default_run_writes_checkpoints_identity_and_curves(demo_run):
     assert (out / "training_curves.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow  # reads the module's demo run (~40 s on 2 cores)
 def test_plot_cli_redraws_curves_from_trainer_state(demo_run, tmp_path):
     out, _ = demo_run
     (out / "training_curves.png").unlink()

@@ -126,6 +126,7 @@ def dynamo_reset():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow  # compiles the tiny model and runs both ceilings (~15-20 s)
 def test_tiny_cpu_compile_run_has_compile_fields_shape_ceiling_and_host_breakdown(
     bench, tmp_path, monkeypatch, capsys, dynamo_reset
 ):
