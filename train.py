@@ -19,7 +19,6 @@ from transformers import AutoTokenizer, HfArgumentParser
 
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
-from pair_dpo_trainer.config.allocator import default_cuda_allocator
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
@@ -153,7 +152,6 @@ def _is_bundled(path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    default_cuda_allocator()  # expandable_segments:True unless PYTORCH_CUDA_ALLOC_CONF is set (before CUDA starts)
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     check_config(config)  # every option problem now, before the model, tokenizer or data load
     uses = uses_reference(config.loss_type, reference_free=config.reference_free)

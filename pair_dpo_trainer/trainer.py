@@ -37,9 +37,10 @@ from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
 from pair_dpo_trainer.losses import PairLogps
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
-from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
 from pair_dpo_trainer.modeling.paths import require_model_directory
+from pair_dpo_trainer.modeling.wrappers import unwrap_model
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
 from pair_dpo_trainer.parallel.fsdp2 import (
     check_evaluable,
@@ -59,6 +60,7 @@ from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
+from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
 from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
@@ -124,6 +126,7 @@ class PairDPOTrainer(Trainer):
             data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
+                pad_to_multiple_of=None if args.pad_to_budget else fp8_pad_multiple(args.fp8),
             ),
             train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
             eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),
@@ -151,6 +154,10 @@ class PairDPOTrainer(Trainer):
         self._metrics = {"train": PairMetrics(components), "eval": PairMetrics(components)}
         self._train_sampler: PairBatchSampler | PairStepSampler | None = None
         self._flop_params: int | None = None
+        self.layer_plan: LayerPlan | None = None
+        self._layers_trained = False
+        if args.fp8 == "tensorwise" and self.fsdp_plugin is not None:
+            self.add_callback(Fp8ScaleCallback(self.model))  # float8 all-gather: the next step's scales at once
         if args.torch_compile:
             self._take_over_compile()
 
@@ -219,7 +226,7 @@ class PairDPOTrainer(Trainer):
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
             if resume_from_checkpoint:
                 self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
-            self._compile_layers()
+            self._prepare_layers(training=True)
             if self.is_world_process_zero():
                 announce_run(
                     self.args,
@@ -227,6 +234,7 @@ class PairDPOTrainer(Trainer):
                     source=self.reference_source,
                     zero3_leaf_classes=self.zero3_leaf_classes,
                     fsdp2=self.fsdp_plugin is not None,
+                    layers=self.layer_plan,
                 )
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
@@ -236,7 +244,7 @@ class PairDPOTrainer(Trainer):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             datasets = {"eval": eval_dataset}
         self.reference_manager.prepare(datasets)
-        self._compile_layers()
+        self._prepare_layers(training=False)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
     # ------------------------------------------------------------------ torch.compile
@@ -248,16 +256,27 @@ class PairDPOTrainer(Trainer):
 
         self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
 
-    def _compile_layers(self) -> None:
-        """Compiles the policy's and an in-process reference's decoder layers, after the reference exists (so a
-        reference copied from the policy is copied uncompiled). Idempotent."""
-        if not self.args.torch_compile:
+    def _prepare_layers(self, *, training: bool) -> None:
+        """Float8, activation checkpointing and compile of the policy's (and an in-process reference's) decoder
+        layers, after the reference exists, so a reference copied from the policy is copied unconverted and
+        uncompiled (``training.layers``). Idempotent; the checkpointing is decided at the first ``train()``."""
+        if self._layers_trained or (self.layer_plan is not None and not training):
             return
-        backend, mode = self.args.torch_compile_backend or "inductor", self.args.torch_compile_mode
-        compile_decoder_layers(self.model, backend=backend, mode=mode)
         reference = self.reference_manager.reference_if_built
-        if reference is not None and reference.model is not None:
-            compile_decoder_layers(reference.model, backend=backend, mode=mode)
+        probe = None
+        if training and self.args.activation_checkpointing_mode == "auto":
+            vocab = int(unwrap_model(self.model).get_input_embeddings().weight.shape[0])
+            collator = cast(PackedPairCollator, self.data_collator)
+            probe = budget_probe(self.model, self.reference.sequence_logps, collator, self.args, vocab_size=vocab)
+        self.layer_plan = prepare_layers(
+            self.model,
+            reference.model if reference is not None else None,
+            self.args,
+            probe=probe,
+            training=training,
+            fsdp=self.fsdp_plugin is not None,
+        )
+        self._layers_trained = training
 
     def _reference_datasets(self) -> dict[str, Any]:
         """The datasets a precomputed reference covers: the train set and every eval set."""
@@ -396,7 +415,7 @@ class PairDPOTrainer(Trainer):
         factor = flops_per_token_per_parameter(
             reference_forward=online_reference, prepass=self.objective_runtime.sorts_step
         )
-        return factor * self._flop_params * inputs.num_tokens
+        return factor * self._flop_params * inputs.num_real_tokens  # pad segments do no useful work
 
     # ------------------------------------------------------------------ loss
     def compute_loss(  # type: ignore[override]  # a PackedPairBatch, not HF's dict of tensors
@@ -418,7 +437,7 @@ class PairDPOTrainer(Trainer):
                 losses,
                 self.args.beta,
                 weights=inputs.pair_weights,
-                num_tokens=inputs.num_tokens,
+                num_tokens=inputs.num_real_tokens,  # pad segments are not the data's tokens
                 components=output.components,
                 token_stats=policy.token_stats,
             )

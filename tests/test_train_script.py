@@ -72,18 +72,40 @@ def test_plot_cli_redraws_curves_from_trainer_state(demo_run, tmp_path):
     assert missing.returncode == 2 and "trainer_state.json" in missing.stderr
 
 
-def test_train_script_sets_expandable_segments_only_when_no_allocator_is_configured(monkeypatch, capsys):
-    from pair_dpo_trainer.config.allocator import default_cuda_allocator
+def test_the_config_sets_expandable_segments_only_when_no_allocator_is_configured(monkeypatch):
+    """What every PairDPOConfig (train.py's and a library user's) applies, on a machine with CUDA: the variable
+    before CUDA starts, the running allocator after, nothing when the user chose a setting."""
+    import torch
 
+    from pair_dpo_trainer.config import allocator
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     env: dict[str, str] = {}
-    assert default_cuda_allocator(env) == "expandable_segments:True"
+    assert allocator.default_cuda_allocator(env) == "expandable_segments:True"
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    env = {}
+    assert "pair_dpo default" in allocator.apply_allocator_default(env) and env["PYTORCH_CUDA_ALLOC_CONF"]
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         chosen = {name: "expandable_segments:False"}
-        assert default_cuda_allocator(chosen) is None and chosen == {name: "expandable_segments:False"}
+        assert allocator.default_cuda_allocator(chosen) is None and chosen == {name: "expandable_segments:False"}
+        assert allocator.apply_allocator_default(chosen) == f"{name}=expandable_segments:False (set before the run)"
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # CUDA already started: reconfigure it
+    settings: list[str] = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", settings.append)
+    env = {}
+    assert "for new segments" in allocator.apply_allocator_default(env)
+    assert env == {} and settings == ["expandable_segments:True"]
+
+
+def test_a_library_config_applies_the_allocator_before_training_arguments_set_up_the_device(monkeypatch, tmp_path):
+    from transformers import TrainingArguments
+
+    from pair_dpo_trainer.config import arguments
+
     calls = []
-    monkeypatch.setattr(train, "default_cuda_allocator", lambda: calls.append("set"))
-    monkeypatch.setattr(train, "parse_args", lambda argv: calls.append("parse") or sys.exit(0))
-    with pytest.raises(SystemExit):
-        train.main([])
-    assert calls == ["set", "parse"]  # before anything can initialise CUDA
+    monkeypatch.setattr(arguments, "apply_allocator_default", lambda: calls.append("allocator") or "chosen")
+    real = TrainingArguments.__post_init__
+    monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: calls.append("device") or real(self))
+    config = arguments.PairDPOConfig(output_dir=str(tmp_path), report_to="none")
+    assert calls == ["allocator", "device"] and config.allocator == "chosen"

@@ -109,6 +109,7 @@ class PackedPairBatch(_TensorDataclass):
             with :func:`pair_dpo_trainer.modeling.logprobs.with_length_desensitization`), else None (all 1).
         step_context: The :class:`~pair_dpo_trainer.losses.StepContext` the trainer attaches before an optimizer
             step (quantities of the whole step for step-level objectives), else None.
+        num_pad_tokens: Tokens of the trailing pad segment (0 without one).
     """
 
     input_ids: torch.Tensor
@@ -124,6 +125,7 @@ class PackedPairBatch(_TensorDataclass):
     ref_logps: torch.Tensor | None = None
     token_weights: torch.Tensor | None = None
     step_context: Any = None
+    num_pad_tokens: int = 0
 
     @property
     def num_sequences(self) -> int:
@@ -134,6 +136,11 @@ class PackedPairBatch(_TensorDataclass):
     def num_tokens(self) -> int:
         """Row length ``T`` including any pad segment."""
         return int(self.input_ids.shape[1])
+
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the pairs' sequences: ``T`` without the pad segment (what metrics and FLOPs count)."""
+        return self.num_tokens - self.num_pad_tokens
 
     def with_step_context(self, context: Any) -> PackedPairBatch:
         """A copy carrying ``context`` (see ``step_context``)."""
@@ -295,6 +302,7 @@ class PackedPairCollator:
             completion_positions=mask[0].nonzero().flatten(),
             pair_weights=_pair_weights(features),
             ref_logps=_ref_logps(features),
+            num_pad_tokens=pad,
         )
 
     def _pad_length(self, length: int) -> int:

@@ -45,6 +45,11 @@ class StepBatch:
         """Packed tokens of all micro-batches (pad segments included), host-known."""
         return sum(mb.num_tokens for mb in self.microbatches)
 
+    @property
+    def num_real_tokens(self) -> int:
+        """Tokens of the pairs' sequences of all micro-batches (pad segments excluded), host-known."""
+        return sum(mb.num_real_tokens for mb in self.microbatches)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
         """A copy with every micro-batch on ``device``."""
         return StepBatch(tuple(mb.to(device, non_blocking=non_blocking) for mb in self.microbatches))

@@ -21,12 +21,15 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from pair_dpo_trainer.config.allocator import apply_allocator_default
 from pair_dpo_trainer.config.launch import launch_problem, resolve_bf16, resolve_use_cpu
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.errors import ConfigError, Problem, raise_problems
 
 DEFAULT_MAX_PROMPT_LENGTH = 512
 ATTN_AUTO = "auto"
+FP8_RECIPES = ("tensorwise", "rowwise")
+"""``fp8`` values: torchao's float8 training recipes."""
 REF_ZERO_STAGES = (0, 3)
 """``ref_zero_stage`` values besides None: 0 replicates the reference, 3 shards it like a ZeRO-3 policy."""
 
@@ -71,6 +74,28 @@ def ref_zero_stage_problem(stage: Any) -> str | None:
     if stage is None or (isinstance(stage, int) and not isinstance(stage, bool) and stage in REF_ZERO_STAGES):
         return None
     return f"ref_zero_stage={stage!r}: use None (follow the policy), 0 or 3."
+
+
+def parse_activation_checkpointing(mode: Any) -> tuple[str, int] | None:
+    """``(kind, every)`` of an ``activation_checkpointing_mode`` value, or None when it is not one.
+
+    ``kind`` is ``off``, ``full``, ``selective``, ``auto`` or ``layers`` (every ``every``-th decoder layer; 1 for
+    the others).
+
+    Example:
+        >>> parse_activation_checkpointing("layers:2"), parse_activation_checkpointing("full")
+        (('layers', 2), ('full', 1))
+        >>> parse_activation_checkpointing("layers:1") is None
+        True
+    """
+    if not isinstance(mode, str):
+        return None
+    if mode in ("off", "full", "selective", "auto"):
+        return mode, 1
+    kind, _, every = mode.partition(":")
+    if kind == "layers" and every.isdigit() and int(every) >= 2:
+        return kind, int(every)
+    return None
 
 
 def _is_count(value: Any, minimum: int) -> bool:
@@ -205,6 +230,36 @@ class PairDPOConfig(TrainingArguments):
             "costs the padded tokens' compute)."
         },
     )
+    fp8: str | None = field(
+        default=None,
+        metadata={
+            "help": "Float8 training of the decoder layers' Linear layers with torchao (pip install torchao): "
+            "'tensorwise' (dynamic per-tensor scales; FSDP2 all-gathers the weights in float8) or 'rowwise' "
+            "(per-row scales, more accurate, slower). The LM head and embeddings stay in the compute dtype; the "
+            "reference runs the same recipe (so step 0 is exactly ln 2); packed rows are padded to a multiple of 16 "
+            "tokens. Pays off on large matmuls (8B-class models); slower on small ones (docs/benchmarks.md). "
+            "None: off."
+        },
+    )
+    activation_checkpointing_mode: str = field(
+        default="off",
+        metadata={
+            "help": "Activation checkpointing of the policy's decoder layers (recompute in backward instead of "
+            "storing): 'off'; 'full' (every layer); 'layers:K' (every K-th layer, K >= 2); 'selective' (every "
+            "layer, but matmul and attention outputs are kept: only the cheap element-wise ops are recomputed); "
+            "'auto' (with max_tokens_per_microbatch: the cheapest of these whose measured peak memory at the "
+            "token budget fits the GPU, chosen once at the start of train() and named in the run summary). "
+            "Not together with gradient_checkpointing (the Trainer's own, which checkpoints every layer)."
+        },
+    )
+    activation_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "Keep the decoder's saved activations in pinned host memory during forward and copy them back "
+            "in backward (torch.autograd.graph.save_on_cpu): less GPU memory, paid for in PCIe copies; best with "
+            "activation_checkpointing_mode (only the layer inputs are saved)."
+        },
+    )
     attn_backend: str = field(
         default="auto",
         metadata={
@@ -333,6 +388,7 @@ class PairDPOConfig(TrainingArguments):
         raise_problems(self.option_problems(), what="PairDPOConfig")  # every problem, raised once
         self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
         self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
+        self.allocator = "use_cpu (the CUDA allocator is not used)" if self.use_cpu else apply_allocator_default()
         super().__post_init__()
         launch = launch_problem(self.world_size, os.environ)
         if launch is not None:
@@ -346,6 +402,7 @@ class PairDPOConfig(TrainingArguments):
             *self._reference_layout_problems(),
             *self._length_problems(),
             *self._budget_problems(),
+            *self._memory_problems(),
             *self._data_problems(),
         ]
 
@@ -461,6 +518,39 @@ class PairDPOConfig(TrainingArguments):
                 )
             ]
         return []
+
+    def _memory_problems(self) -> list[Problem]:
+        """``fp8``, ``activation_checkpointing_mode`` and ``activation_offload`` values and their combinations."""
+        problems: list[Problem] = []
+        if self.fp8 is not None and self.fp8 not in FP8_RECIPES:
+            problems.append(("bad_fp8", f"fp8={self.fp8!r}: use one of {list(FP8_RECIPES)}, or None (off)."))
+        mode = self.activation_checkpointing_mode
+        if parse_activation_checkpointing(mode) is None:
+            problems.append(
+                (
+                    "bad_activation_checkpointing",
+                    f"activation_checkpointing_mode={mode!r}: use 'off', 'full', 'selective', 'auto' or 'layers:K' "
+                    "with an integer K >= 2 (every K-th decoder layer).",
+                )
+            )
+        elif mode != "off" and (self.gradient_checkpointing or getattr(self, "activation_checkpointing", False)):
+            problems.append(
+                (
+                    "unsupported_combination",
+                    f"activation_checkpointing_mode={mode!r} and gradient_checkpointing=True would checkpoint the "
+                    "layers twice: keep one (activation_checkpointing_mode='full' is the same as "
+                    "gradient_checkpointing).",
+                )
+            )
+        if mode == "auto" and self.max_tokens_per_microbatch is None:
+            problems.append(
+                (
+                    "unsupported_combination",
+                    "activation_checkpointing_mode='auto' picks the cheapest setting that fits the token budget, but "
+                    "max_tokens_per_microbatch is not set: set it (e.g. 16384), or name a mode.",
+                )
+            )
+        return problems
 
     def _data_problems(self) -> list[Problem]:
         """``dataset_num_proc``: None or a positive worker count."""

@@ -17,6 +17,7 @@ from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.float8 import convert_to_fp8
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
 from pair_dpo_trainer.parallel.fsdp2 import compute_dtype, offloads_params
 from pair_dpo_trainer.reference.base import FrozenReference
@@ -92,6 +93,8 @@ def build_fsdp_reference(
     model = model.eval().requires_grad_(False)
     if dtype is not None:
         cast_parameters(model, dtype)
+    if args.fp8 is not None:  # the policy's recipe, before sharding (training.layers converts the policy)
+        convert_to_fp8(model, args.fp8, fsdp_float8_all_gather=shard and args.fp8 == "tensorwise")
     if args.torch_compile:
         compile_decoder_layers(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
     if shard:

@@ -14,14 +14,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import Problem, raise_problems
 from pair_dpo_trainer.losses.checks import loss_problems
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
+from pair_dpo_trainer.modeling.float8 import fp8_problems
 from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
 from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
+from pair_dpo_trainer.training.layers import auto_checkpointing_problems
 
 
 def config_problems(args: PairDPOConfig) -> list[Problem]:
@@ -87,4 +91,9 @@ def run_problems(args: PairDPOConfig, setup: RunSetup) -> list[Problem]:
     problems.extend(
         compile_problems(torch_compile=args.torch_compile, zero3=setup.zero3, attn_backend=setup.attn_backend)
     )
+    deepspeed = setup.deepspeed_config is not None
+    device = torch.device(args.device)
+    problems.extend(fp8_problems(args.fp8, deepspeed=deepspeed, peft=setup.peft_policy, device=device))
+    sharded = setup.zero3 or setup.fsdp_plugin is not None
+    problems.extend(auto_checkpointing_problems(args.activation_checkpointing_mode, device=device, sharded=sharded))
     return problems

@@ -35,6 +35,7 @@ def run_summary(
     source: Any,
     zero3_leaf_classes: tuple[str, ...] = (),
     fsdp2: bool = False,
+    layers: Any = None,
 ) -> str:
     """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, the
     ZeRO-3 leaf module classes when there are any, and FSDP2 with the reference's layout when it runs.
@@ -55,7 +56,14 @@ def run_summary(
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
         f"{_microbatches(args)}) | attention {attn_backend} | "
         f"reference {reference_mode(args, source)} | loss {objective_summary(args)}, beta={args.beta}{leaves}"
+        f"{layers.describe() if layers is not None else ''}{_allocator(args)}"
     )
+
+
+def _allocator(args: PairDPOConfig) -> str:
+    """`` | CUDA allocator ...`` when the run uses CUDA (what ``PairDPOConfig`` applied, and who chose it)."""
+    note = getattr(args, "allocator", "")
+    return f" | CUDA allocator {note}" if note and "not used" not in note else ""
 
 
 def objective_summary(args: PairDPOConfig) -> str:

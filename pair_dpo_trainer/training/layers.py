@@ -1,0 +1,187 @@
+"""What runs inside the decoder layers, set up once at the start of ``train()`` / ``evaluate()``, in the only order
+that works: float8 conversion (policy and an in-process reference), then activation checkpointing of the policy
+(``auto`` measured here), then host offload, then regional compile.
+
+The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
+log-probs, so the sigmoid loss is exactly ln 2); it is never checkpointed (it runs without gradient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers import TrainerCallback
+
+from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.errors import Problem
+from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
+from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu
+from pair_dpo_trainer.training.memory_fit import (
+    CudaPeakMeter,
+    MemoryFit,
+    choose_checkpointing,
+    most_conservative,
+    optimizer_state_bytes,
+)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the decoder layers run, for the run summary.
+
+    Attributes:
+        fp8: The float8 recipe, or None.
+        fp8_layers: ``Float8Linear`` layers in the policy.
+        checkpointing: The activation-checkpointing mode applied to the policy (``auto`` resolved).
+        fit: The auto mode's measurement, when it ran.
+        offload: Saved activations wait in host memory.
+    """
+
+    fp8: str | None = None
+    fp8_layers: int = 0
+    checkpointing: str = "off"
+    fit: MemoryFit | None = None
+    offload: bool = False
+
+    def describe(self) -> str:
+        """`` | fp8 tensorwise (168 layers) | activation checkpointing layers:2`` (empty when nothing is set)."""
+        parts = []
+        if self.fp8 is not None:
+            parts.append(f"fp8 {self.fp8} ({self.fp8_layers} Linear layers)")
+        if self.fit is not None:
+            parts.append(f"activation checkpointing {self.fit.describe()}")
+        elif self.checkpointing != "off":
+            parts.append(f"activation checkpointing {self.checkpointing}")
+        if self.offload:
+            parts.append("activations offloaded to host memory")
+        return "".join(f" | {part}" for part in parts)
+
+
+def prepare_layers(
+    policy: torch.nn.Module,
+    reference_model: torch.nn.Module | None,
+    args: PairDPOConfig,
+    *,
+    probe: Callable[[], None] | None,
+    training: bool,
+    fsdp: bool = False,
+) -> LayerPlan:
+    """Converts, checkpoints, offloads and compiles as ``args`` asks (each step idempotent).
+
+    Args:
+        policy: The policy, unwrapped (not yet DDP / FSDP wrapped).
+        reference_model: The in-process reference model to convert and compile with it, or None.
+        args: The run's config (``fp8``, ``activation_checkpointing_mode``, ``activation_offload``, ``torch_compile*``).
+        probe: One forward and backward of a ``max_tokens_per_microbatch`` row (the auto mode's measurement).
+        training: False for an ``evaluate()`` before ``train()``: no checkpointing decision yet.
+        fsdp: The policy will be sharded by FSDP2 (tensorwise float8 weights are then all-gathered in float8).
+    """
+    if args.fp8 is not None:
+        convert_to_fp8(policy, args.fp8, fsdp_float8_all_gather=fsdp and args.fp8 == "tensorwise")
+        if reference_model is not None:
+            convert_to_fp8(reference_model, args.fp8)
+    mode, fit = args.activation_checkpointing_mode, None
+    if training and mode == "auto":
+        fit = _measure(policy, probe, args)
+        mode = fit.mode
+    if training and mode != "auto":
+        apply_activation_checkpointing(policy, mode)
+    if training and args.activation_offload:
+        offload_activations(policy)
+    if args.torch_compile:
+        backend, compile_mode = args.torch_compile_backend or "inductor", args.torch_compile_mode
+        compile_decoder_layers(policy, backend=backend, mode=compile_mode)
+        if reference_model is not None:
+            compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
+    return LayerPlan(args.fp8, count_fp8_layers(policy), mode, fit, bool(args.activation_offload))
+
+
+def _measure(policy: torch.nn.Module, probe: Callable[[], None] | None, args: PairDPOConfig) -> MemoryFit:
+    assert probe is not None and args.max_tokens_per_microbatch is not None  # run_problems refuses otherwise
+    fit = choose_checkpointing(
+        policy,
+        probe,
+        CudaPeakMeter(torch.device(args.device)),
+        pending_bytes=optimizer_state_bytes(policy),
+        tokens=args.max_tokens_per_microbatch,
+    )
+    agreed = most_conservative(all_gather_cpu(fit.mode)) if args.world_size > 1 else fit.mode
+    if agreed != fit.mode:  # another rank needs more recompute: every rank checkpoints the same layers
+        apply_activation_checkpointing(policy, agreed)
+        fit = MemoryFit(agreed, fit.peak_bytes, fit.limit_bytes, fit.fits, fit.tokens)
+    return fit
+
+
+def auto_checkpointing_problems(mode: str, *, device: torch.device, sharded: bool) -> list[Problem]:
+    """``activation_checkpointing_mode='auto'`` measures GPU memory on one unsharded model: CUDA, not ZeRO-3 / FSDP2."""
+    if mode != "auto":
+        return []
+    problems: list[Problem] = []
+    if device.type != "cuda":
+        problems.append(
+            (
+                "unsupported_combination",
+                "activation_checkpointing_mode='auto' measures the peak GPU memory of the token budget, but this run "
+                "has no CUDA device: name a mode ('off', 'full', 'selective', 'layers:K').",
+            )
+        )
+    if sharded:
+        problems.append(
+            (
+                "unsupported_combination",
+                "activation_checkpointing_mode='auto' measures one unsharded model, not a DeepSpeed ZeRO-3 or FSDP2 "
+                "shard: name a mode ('off', 'full', 'selective', 'layers:K').",
+            )
+        )
+    return problems
+
+
+def budget_probe(
+    policy: torch.nn.Module,
+    reference_logps: Callable[[PackedPairBatch], torch.Tensor],
+    collator: PackedPairCollator,
+    args: PairDPOConfig,
+    *,
+    vocab_size: int,
+) -> Callable[[], None]:
+    """One forward and backward of a synthetic packed row of exactly ``max_tokens_per_microbatch`` tokens (pairs of
+    256-token prompts and completions within the length limits), through the policy's log-prob head and the
+    reference, as a training micro-batch runs them."""
+    budget = int(args.max_tokens_per_microbatch or 0)
+    prompt = min(256, int(args.max_prompt_length or 1), max(1, budget // 4))
+    completion = max(1, min(256, args.max_length - prompt))
+    per_pair = 2 * prompt + 2 * completion
+    features = [
+        {
+            "prompt_input_ids": [3 + i % (vocab_size - 3)] * prompt,
+            "chosen_input_ids": [4 + i % (vocab_size - 4)] * completion,
+            "rejected_input_ids": [5 + i % (vocab_size - 5)] * completion,
+        }
+        for i in range(max(1, budget // per_pair))
+    ]
+    batch = collator(features).to(torch.device(args.device))
+
+    def probe() -> None:
+        policy.train()
+        logps = packed_policy_logps(policy, batch, chunk_size=args.logps_chunk_size).logps
+        with torch.no_grad():
+            ref = reference_logps(batch)
+        (logps - ref).sum().backward()
+
+    return probe
+
+
+class Fp8ScaleCallback(TrainerCallback):
+    """FSDP2 with float8 all-gather: after every optimizer step, all converted weights' scales in one all-reduce."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        precompute_fp8_scales(self.model)

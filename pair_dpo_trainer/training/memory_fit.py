@@ -1,0 +1,133 @@
+"""``activation_checkpointing_mode="auto"``: the cheapest checkpointing that fits the token budget, measured once.
+
+At the start of ``train()`` (the model, reference and data are ready, the optimizer is not yet) one synthetic packed
+row of exactly ``max_tokens_per_microbatch`` tokens runs forward and backward through the policy and the reference
+under each candidate, cheapest recompute first, until the measured peak plus the optimizer state still to come fits
+the GPU. Every rank measures and the ranks take the most conservative choice, so they run the same layers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing
+
+CANDIDATES = ("off", "selective", "layers:4", "layers:3", "layers:2", "full")
+"""In order of recompute cost: none, the element-wise ops, a quarter ... half of the layers, every layer."""
+
+MEMORY_FRACTION = 0.9
+"""The share of the device memory a probe's peak may reach (the rest: workspaces, fragmentation, the first step's
+temporaries)."""
+
+
+class PeakMeter(Protocol):
+    """Measures the peak memory of a probe and the memory it may use."""
+
+    def reset(self) -> None: ...
+
+    def peak(self) -> int: ...
+
+    def limit(self) -> int: ...
+
+
+class CudaPeakMeter:
+    """The CUDA caching allocator's peak, against :data:`MEMORY_FRACTION` of what this process can use."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def reset(self) -> None:
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def peak(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return int(torch.cuda.max_memory_allocated(self.device))
+
+    def limit(self) -> int:
+        free, _total = torch.cuda.mem_get_info(self.device)
+        return int(MEMORY_FRACTION * (free + torch.cuda.memory_reserved(self.device)))
+
+
+@dataclass(frozen=True)
+class MemoryFit:
+    """The choice of the auto mode, for the run summary.
+
+    Attributes:
+        mode: The chosen ``activation_checkpointing_mode`` mode.
+        peak_bytes: The probe's peak under it, plus the optimizer state still to come.
+        limit_bytes: What the probe could use.
+        fits: False when even ``full`` did not fit (the run goes on with ``full`` and may run out of memory).
+        tokens: The probe row's length (the token budget).
+    """
+
+    mode: str
+    peak_bytes: int
+    limit_bytes: int
+    fits: bool
+    tokens: int
+
+    def describe(self) -> str:
+        """``auto -> layers:2 (peak 101.3 of 125.8 GiB at 16384 tokens)``."""
+        peak = "out of memory" if self.peak_bytes == math.inf else f"{self.peak_bytes / 2**30:.1f}"
+        note = "" if self.fits else ", does not fit: expect out-of-memory"
+        return f"auto -> {self.mode} (peak {peak} of {self.limit_bytes / 2**30:.1f} GiB at {self.tokens} tokens{note})"
+
+
+def _is_out_of_memory(exc: BaseException) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def choose_checkpointing(
+    model: torch.nn.Module,
+    probe: Callable[[], None],
+    meter: PeakMeter,
+    *,
+    pending_bytes: int,
+    tokens: int,
+    candidates: Sequence[str] = CANDIDATES,
+) -> MemoryFit:
+    """Tries ``candidates`` in order and keeps the first whose probe peak plus ``pending_bytes`` fits the meter's
+    limit; ``model`` is left marked with the choice.
+
+    Args:
+        model: The policy (not yet compiled: the probe runs eagerly, which saves at least as much as compiled
+            layers do, so the choice errs on the side of memory).
+        probe: One forward and backward of the budget-sized row; must leave no gradient behind.
+        meter: Where the peak and the limit come from.
+        pending_bytes: Memory the run will add later (the optimizer's state before its first step).
+        tokens: The probe row's length, for the summary.
+    """
+    peak: float = math.inf
+    for mode in candidates:
+        apply_activation_checkpointing(model, mode)
+        meter.reset()
+        try:
+            probe()
+            peak = meter.peak() + pending_bytes
+        except RuntimeError as exc:  # torch.cuda.OutOfMemoryError is a RuntimeError
+            if not _is_out_of_memory(exc):
+                raise
+            peak = math.inf
+        finally:
+            for param in model.parameters():
+                param.grad = None
+        if peak <= meter.limit():
+            return MemoryFit(mode, int(peak), meter.limit(), True, tokens)
+    return MemoryFit(candidates[-1], peak, meter.limit(), False, tokens)  # type: ignore[arg-type]
+
+
+def optimizer_state_bytes(model: torch.nn.Module) -> int:
+    """AdamW's two moments of every trainable parameter, in the parameter's dtype (what it allocates at step 1)."""
+    return sum(2 * p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def most_conservative(modes: Sequence[str]) -> str:
+    """The mode of the ranks that recomputes the most (ranks must checkpoint the same layers)."""
+    return max(modes, key=lambda mode: CANDIDATES.index(mode) if mode in CANDIDATES else len(CANDIDATES))

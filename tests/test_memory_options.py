@@ -1,0 +1,231 @@
+"""Float8 training, activation checkpointing (full / every K-th layer / selective / auto) and host offload, on the
+CPU: what each converts or checkpoints, that gradients are unchanged by checkpointing, what it saves, and the option
+checks. The GPU speed and memory of the same options are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from pair_dpo_trainer import PairDPOTrainer
+from pair_dpo_trainer.collators import PackedPairCollator
+from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
+from pair_dpo_trainer.training.checks import run_problems
+from pair_dpo_trainer.training.memory_fit import MemoryFit, choose_checkpointing, most_conservative
+from tests.dpo_fixtures import cpu_config, run_setup, synthetic_pairs
+from tests.models import tiny_llama, tiny_tokenizer
+
+torchao = pytest.importorskip("torchao.float8", reason="fp8 needs torchao (the test extra installs it)")
+
+
+def _trainer(tmp_path, **options) -> PairDPOTrainer:
+    args = cpu_config(tmp_path, **options)
+    return PairDPOTrainer(
+        model=tiny_llama(0), args=args, train_dataset=synthetic_pairs(16), processing_class=tiny_tokenizer()
+    )
+
+
+def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> tuple[int, dict[str, torch.Tensor]]:
+    """Bytes autograd keeps for backward during one training forward (parameters excluded), and the gradients."""
+    params = {p.data_ptr() for p in model.parameters()}
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        if tensor.data_ptr() not in params:
+            total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    model.train()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, use_cache=False).logits.square().mean()
+    loss.backward()
+    return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+# ------------------------------------------------------------------------------------------------ checkpointing
+
+
+@pytest.mark.parametrize("mode", ["full", "selective", "layers:2"])
+def test_checkpointing_keeps_the_gradients_and_saves_less(mode):
+    torch.manual_seed(0)
+    base = tiny_llama(0)
+    ids = torch.randint(4, 64, (1, 96))
+    plain_bytes, plain_grads = _saved_bytes(copy.deepcopy(base), ids)
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, mode)
+    saved, grads = _saved_bytes(model, ids)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    assert saved < plain_bytes, (mode, saved, plain_bytes)
+    if mode == "full":
+        full_saved = saved
+        assert full_saved < 0.5 * plain_bytes
+    names_before = [n for n, _ in base.named_parameters()]
+    assert [n for n, _ in model.named_parameters()] == names_before  # checkpoints and optimizers see the same names
+
+
+def test_every_k_layers_checkpoints_the_layers_at_multiples_of_k_and_off_undoes_it():
+    model = tiny_llama(0)
+    assert apply_activation_checkpointing(model, "layers:2") == 1  # 2 layers: layer 0 only
+    assert [layer._pair_dpo_checkpoint for layer in model.model.layers] == [True, False]
+    assert apply_activation_checkpointing(model, "off") == 0
+    assert not any(layer._pair_dpo_checkpoint for layer in model.model.layers)
+
+
+def test_checkpointing_does_nothing_without_gradients_and_compiles_with_the_layer():
+    torch.manual_seed(0)
+    base = tiny_llama(0)
+    ids = torch.randint(4, 64, (1, 40))
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, "selective")
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager", dynamic=True, fullgraph=True)  # no graph break in the wrapped layer
+    _, grads = _saved_bytes(model, ids)
+    _, expected = _saved_bytes(copy.deepcopy(base), ids)
+    for name, grad in expected.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, use_cache=False).logits, base(ids, use_cache=False).logits)
+
+
+def test_offload_keeps_no_saved_activation_on_the_model_device_and_the_same_gradients():
+    torch.manual_seed(0)
+    base = tiny_llama(0)
+    ids = torch.randint(4, 64, (1, 64))
+    _, expected = _saved_bytes(copy.deepcopy(base), ids)
+    model = copy.deepcopy(base)
+    apply_activation_checkpointing(model, "full")
+    offload_activations(model)
+    offload_activations(model)  # idempotent
+    model.train()
+    loss = model(ids, use_cache=False).logits.square().mean()
+    loss.backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name], rtol=0, atol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------ auto
+
+
+class _Meter:
+    """Peak = bytes the probe saves for backward, as checkpointing changes them (a real, host-side measurement)."""
+
+    def __init__(self, model: torch.nn.Module, ids: torch.Tensor, limit: int) -> None:
+        self.model, self.ids, self._limit, self.last = model, ids, limit, 0
+        self.tried: list[int] = []
+
+    def reset(self) -> None:
+        self.last = 0
+
+    def peak(self) -> int:
+        self.tried.append(self.last)
+        return self.last
+
+    def limit(self) -> int:
+        return self._limit
+
+    def probe(self) -> None:
+        self.last, _ = _saved_bytes(self.model, self.ids)
+
+
+def test_auto_keeps_the_cheapest_mode_whose_measured_peak_fits():
+    torch.manual_seed(0)
+    model = tiny_llama(0)
+    ids = torch.randint(4, 64, (1, 96))
+    plain, _ = _saved_bytes(copy.deepcopy(model), ids)
+    roomy = _Meter(model, ids, limit=10 * plain)
+    fit = choose_checkpointing(model, roomy.probe, roomy, pending_bytes=0, tokens=96)
+    assert fit.mode == "off" and fit.fits and len(roomy.tried) == 1
+    tight = _Meter(model, ids, limit=plain - 1)  # "off" does not fit, something cheaper than full does
+    fit = choose_checkpointing(model, tight.probe, tight, pending_bytes=0, tokens=96)
+    assert fit.mode == "selective" and fit.fits and tight.tried[0] == plain and tight.tried[1] < plain
+    assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
+    hopeless = _Meter(model, ids, limit=1)
+    fit = choose_checkpointing(model, hopeless.probe, hopeless, pending_bytes=0, tokens=96)
+    assert fit.mode == "full" and not fit.fits and "does not fit" in fit.describe()
+    assert model.model.layers[1]._pair_dpo_checkpoint  # left marked with the choice
+
+
+def test_ranks_agree_on_the_most_recompute_and_the_summary_names_the_choice():
+    assert most_conservative(["off", "layers:2", "selective"]) == "layers:2"
+    fit = MemoryFit("layers:2", 101 * 2**30, 125 * 2**30, True, 16384)
+    assert fit.describe() == "auto -> layers:2 (peak 101.0 of 125.0 GiB at 16384 tokens)"
+    assert math.isfinite(fit.peak_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ float8
+
+
+def test_fp8_converts_only_the_decoder_linears_and_keeps_names_and_parameters():
+    from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers
+
+    model = tiny_llama(0)
+    params = dict(model.named_parameters())
+    converted = convert_to_fp8(model, "tensorwise")
+    assert converted == count_fp8_layers(model) == 2 * 7  # q, k, v, o, gate, up, down in each of 2 layers
+    assert type(model.lm_head) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(model.get_parameter(name) is param for name, param in params.items())  # the same objects
+    assert convert_to_fp8(model, "tensorwise") == 0  # idempotent
+
+
+def test_fp8_trainer_pads_rows_to_16_starts_at_ln2_and_trains(tmp_path):
+    trainer = _trainer(tmp_path / "a", fp8="tensorwise", max_steps=2, gradient_accumulation_steps=1)
+    assert isinstance(trainer.data_collator, PackedPairCollator) and trainer.data_collator.pad_to_multiple_of == 16
+    pairs = synthetic_pairs(3)
+    batch = trainer.data_collator(pairs)
+    real = sum(
+        2 * len(p["prompt_input_ids"]) + len(p["chosen_input_ids"]) + len(p["rejected_input_ids"]) for p in pairs
+    )
+    assert batch.num_tokens % 16 == 0 and batch.num_real_tokens == real < batch.num_tokens + 16
+    result = trainer.train()
+    assert trainer.layer_plan is not None and trainer.layer_plan.fp8_layers == 14
+    reference = trainer.reference_manager.reference.model
+    assert sum(type(m).__name__ == "Float8Linear" for m in reference.modules()) == 14  # the same recipe
+    first = trainer.state.log_history[0]
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy and reference: one computation at step 0
+    assert math.isfinite(result.training_loss)
+
+
+def test_fp8_is_refused_with_deepspeed_and_a_peft_policy_and_a_bad_recipe(tmp_path):
+    for setup, word in (({"deepspeed_config": {"train_batch_size": 1}}, "DeepSpeed"), ({"peft_policy": True}, "PEFT")):
+        problems = run_problems(cpu_config(tmp_path, fp8="rowwise"), run_setup(**setup))
+        assert any(code == "unsupported_combination" and word in text for code, text in problems), problems
+    with pytest.raises(ConfigError) as info:
+        cpu_config(tmp_path, fp8="e4m3")
+    assert info.value.reason_code == "bad_fp8"
+
+
+def test_checkpointing_options_are_checked(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        cpu_config(tmp_path, activation_checkpointing_mode="layers:1")
+    assert info.value.reason_code == "bad_activation_checkpointing"
+    with pytest.raises(ConfigError) as info:
+        cpu_config(tmp_path, activation_checkpointing_mode="full", gradient_checkpointing=True)
+    assert info.value.reason_code == "unsupported_combination" and "twice" in str(info.value)
+    with pytest.raises(ConfigError) as info:
+        cpu_config(tmp_path, activation_checkpointing_mode="auto")
+    assert "max_tokens_per_microbatch" in str(info.value)
+    args = cpu_config(
+        tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=256, gradient_accumulation_steps=1
+    )
+    problems = run_problems(args, run_setup())
+    assert any("no CUDA device" in text for _, text in problems)
+
+
+def test_a_checkpointed_trainer_reports_the_mode_and_matches_the_plain_losses(tmp_path, capsys):
+    plain = _trainer(tmp_path / "plain", max_steps=2)
+    plain.train()
+    checked = _trainer(
+        tmp_path / "ckpt", max_steps=2, activation_checkpointing_mode="layers:2", activation_offload=True
+    )
+    checked.train()
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    assert "activation checkpointing layers:2" in line and "offloaded to host memory" in line
+    losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (plain, checked)]
+    assert losses[0] == pytest.approx(losses[1], abs=1e-6)
