@@ -10,3 +10,12 @@ def _private_pairs_cache(tmp_path_factory, monkeypatch):
     """``HF_DATASETS_CACHE`` (where ``dataset_cache_dir`` defaults to) is a fresh directory for each test; processes
     a test launches inherit it."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf_datasets_cache")))
+
+
+@pytest.fixture(autouse=True)
+def _eager_head_kernels():
+    """``torch_compile=True`` compiles the chunked head's element-wise work process-wide; each test starts eager."""
+    yield
+    from pair_dpo_trainer.modeling.logprobs import eager_head_kernels
+
+    eager_head_kernels()

@@ -331,3 +331,34 @@ def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeyp
     assert not got.token_stats.requires_grad
     for name, grad in want_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_the_compiled_head_kernels_compute_what_the_eager_ones_do():
+    """``torch_compile=True`` fuses the chunked head's element-wise work (``compile_head_kernels``): the same
+    log-probs, statistics and gradients as the eager kernels, which match the full-logits reference."""
+    from pair_dpo_trainer.modeling import logprobs as lp
+
+    torch.manual_seed(0)
+    weight = torch.randn(500, 24, requires_grad=True)
+    hidden = torch.randn(200, 24, requires_grad=True)
+    targets = torch.randint(0, 500, (200,))
+
+    def run():
+        logps, stats = lp.chunked_token_logps(hidden, weight, targets, 64, with_stats=True)
+        (logps * torch.linspace(0, 1, 200)).sum().backward()
+        grads = hidden.grad.clone(), weight.grad.clone()
+        hidden.grad = weight.grad = None
+        return logps.detach(), stats, grads
+
+    eager = run()
+    torch.testing.assert_close(eager[0], lp.naive_token_logps(hidden, weight, targets).detach(), rtol=0, atol=1e-5)
+    try:
+        lp.compile_head_kernels("aot_eager")
+        assert lp._HEAD_KERNELS["stats"] is not lp._EAGER_HEAD_KERNELS["stats"]
+        compiled = run()
+    finally:
+        lp.eager_head_kernels()
+    torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
+    for got, expected in zip(compiled[2], eager[2], strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)

@@ -76,14 +76,14 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         logps = hidden.new_empty(total, dtype=dtype)
         lse = hidden.new_empty(total, dtype=dtype)
         stats = hidden.new_empty((total if with_stats else 0, len(TOKEN_STATS)), dtype=dtype)
+        kernels = _HEAD_KERNELS
         for start in range(0, total, chunk_size):
             end = min(start + chunk_size, total)
-            logits = _chunk_logits(hidden[start:end], weight, dtype)
+            logits = hidden[start:end] @ weight.t()  # [c, V] in the head's dtype
             if with_stats:
-                lse[start:end], stats[start:end] = _chunk_stats(logits, targets[start:end])
+                logps[start:end], lse[start:end], stats[start:end] = kernels["stats"](logits, targets[start:end], dtype)
             else:
-                lse[start:end] = torch.logsumexp(logits, dim=-1)
-            logps[start:end] = logits.gather(1, targets[start:end, None]).squeeze(1) - lse[start:end]
+                logps[start:end], lse[start:end] = kernels["plain"](logits, targets[start:end], dtype)
             del logits
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk_size = chunk_size
@@ -101,11 +101,9 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         grad_weight = torch.zeros(weight.shape, dtype=dtype, device=weight.device) if need_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
-            grad = grad_logps[start:end, None]
-            # d logp_t / d logits = onehot(t) - softmax(logits), scaled by the incoming gradient.
-            dlogits = _chunk_logits(hidden[start:end], weight, dtype).sub_(lse[start:end, None]).exp_()
-            dlogits.mul_(-grad).scatter_add_(1, targets[start:end, None], grad)
-            dlogits = dlogits.to(weight.dtype)
+            logits = hidden[start:end] @ weight.t()
+            dlogits = _HEAD_KERNELS["dlogits"](logits, lse[start:end], targets[start:end], grad_logps[start:end])
+            del logits
             if grad_hidden is not None:
                 grad_hidden[start:end] = dlogits @ weight
             if grad_weight is not None and dlogits.dtype == dtype:
@@ -116,6 +114,79 @@ class _ChunkedTokenLogps(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _plain_kernel(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
+    """``(logp [c], lse [c])`` of one ``[c, V]`` chunk of head-dtype logits, computed in ``dtype``."""
+    logits = logits.to(dtype)
+    lse = torch.logsumexp(logits, dim=-1)
+    return logits.gather(1, targets[:, None]).squeeze(1) - lse, lse
+
+
+def _stats_kernel(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
+    """``(logp [c], lse [c], stats [c, 4])`` of one chunk (eager: one ``[c, V]`` temporary besides the logits)."""
+    logits = logits.to(dtype)
+    lse, stats = _chunk_stats(logits, targets)
+    return logits.gather(1, targets[:, None]).squeeze(1) - lse, lse, stats
+
+
+def _fused_stats_kernel(logits: torch.Tensor, targets: torch.Tensor, dtype: torch.dtype):
+    """:func:`_stats_kernel` written as element-wise ops and reductions over the vocabulary, for the compiler to fuse
+    into a few passes over the head-dtype logits (no float32 ``[c, V]`` copy is materialised)."""
+    z = logits.to(dtype)
+    top = z.max(dim=-1)
+    exp = (z - top.values[:, None]).exp()
+    total = exp.sum(dim=-1)
+    lse = top.values + total.log()
+    stats = torch.stack(
+        [
+            z.mean(dim=-1),
+            lse - (exp * z).sum(dim=-1) / total,
+            (top.indices == targets).to(dtype),
+            (exp * exp).sum(dim=-1).log() - 2.0 * total.log(),
+        ],
+        dim=1,
+    )
+    return z.gather(1, targets[:, None]).squeeze(1) - lse, lse, stats
+
+
+def _dlogits_kernel(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor):
+    """``grad * (onehot(t) - softmax(logits))`` of one chunk, in the head's dtype: d logp_t / d logits, scaled."""
+    dlogits = logits.to(lse.dtype).sub_(lse[:, None]).exp_()
+    dlogits.mul_(-grad[:, None]).scatter_add_(1, targets[:, None], grad[:, None])
+    return dlogits.to(logits.dtype)
+
+
+def _fused_dlogits_kernel(logits: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor):
+    """:func:`_dlogits_kernel` without in-place ops, for the compiler to fuse into one pass over the logits."""
+    probs = (logits.to(lse.dtype) - lse[:, None]).exp()
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    return (grad[:, None] * (onehot.to(lse.dtype) - probs)).to(logits.dtype)
+
+
+_EAGER_HEAD_KERNELS: dict[str, Any] = {"plain": _plain_kernel, "stats": _stats_kernel, "dlogits": _dlogits_kernel}
+_HEAD_KERNELS: dict[str, Any] = dict(_EAGER_HEAD_KERNELS)
+"""The element-wise work of every vocabulary chunk (the matmuls stay outside): eager, or compiled by
+:func:`compile_head_kernels`."""
+
+
+def compile_head_kernels(backend: str = "inductor") -> None:
+    """Compiles the chunked head's element-wise work (softmax statistics, the gradient of the logits) so that each
+    chunk makes a few fused passes over its ``[c, V]`` logits instead of one per op; the matmuls are unchanged.
+    Process-wide and idempotent (``torch_compile=True`` calls it); :func:`eager_head_kernels` undoes it."""
+    if _HEAD_KERNELS["plain"] is not _EAGER_HEAD_KERNELS["plain"]:
+        return
+    options: dict[str, Any] = {"backend": backend, "dynamic": True}
+    _HEAD_KERNELS.update(
+        plain=torch.compile(_plain_kernel, **options),
+        stats=torch.compile(_fused_stats_kernel, **options),
+        dlogits=torch.compile(_fused_dlogits_kernel, **options),
+    )
+
+
+def eager_head_kernels() -> None:
+    """The eager element-wise work again (tests compare both)."""
+    _HEAD_KERNELS.update(_EAGER_HEAD_KERNELS)
 
 
 def chunked_token_logps(

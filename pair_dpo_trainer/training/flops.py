@@ -7,8 +7,26 @@ import torch
 
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:
-    """Parameters outside ``nn.Embedding`` modules, counting a ZeRO-3 partitioned parameter at its full size."""
-    embedding = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters()}
+    """Parameters that do matmul work per token: every parameter outside ``nn.Embedding`` modules, plus the LM head's
+    weight when it is tied to the input embedding (the head multiplies by it once per token either way). A ZeRO-3
+    partitioned parameter counts at its full size.
+
+    Example:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> tied = Qwen2ForCausalLM(Qwen2Config(vocab_size=100, hidden_size=16, intermediate_size=32,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True))
+        >>> non_embedding_parameters(tied) - sum(p.numel() for p in tied.model.layers.parameters())  # head + norm
+        1616
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head_weight = getattr(head, "weight", None)
+    embedding = {
+        id(p)
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        for p in m.parameters()
+        if p is not head_weight
+    }
     return sum(int(getattr(p, "ds_numel", p.numel())) for p in model.parameters() if id(p) not in embedding)
 
 

@@ -1,6 +1,6 @@
 """What runs inside the decoder layers, set up once at the start of ``train()`` / ``evaluate()``, in the only order
 that works: float8 conversion (policy and an in-process reference), then activation checkpointing of the policy
-(``auto`` measured here), then host offload, then regional compile.
+(``auto`` measured here), then host offload, then regional compile (and the chunked head's element-wise work).
 
 The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
 log-probs, so the sigmoid loss is exactly ln 2); it is never checkpointed (it runs without gradient).
@@ -20,7 +20,7 @@ from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
-from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
+from pair_dpo_trainer.modeling.logprobs import compile_head_kernels, packed_policy_logps
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
     CudaPeakMeter,
@@ -96,6 +96,7 @@ def prepare_layers(
         offload_activations(policy)
     if args.torch_compile:
         backend, compile_mode = args.torch_compile_backend or "inductor", args.torch_compile_mode
+        compile_head_kernels(backend)  # the chunked head's element-wise work, fused
         compile_decoder_layers(policy, backend=backend, mode=compile_mode)
         if reference_model is not None:
             compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
