@@ -42,7 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="the tiny model in float32, CPU allowed")
     p.add_argument("--pairs", type=int, default=4, help="pairs per optimizer step")
     p.add_argument("--mix", choices=("trl", "heavy"), default="heavy")
-    p.add_argument("--steps", type=int, default=24, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--max-tokens-per-microbatch", type=int, help="PairDPOConfig.max_tokens_per_microbatch")
     p.add_argument("--target", type=float, default=1.15, help="reserved / allocated peak to stay under")
     p.add_argument("--seed", type=int, default=0)

@@ -141,7 +141,7 @@ def speed_8b() -> tuple[Suite, Suite]:
 
 def alloc() -> Suite:
     """``h200-alloc``: the allocator through the library API without an allocator variable, then with one."""
-    check = ("benchmarks.alloc_check", "--model-size", "1.5b", "--mix", "heavy", "--pairs", "4", "--steps", "24")
+    check = ("benchmarks.alloc_check", "--model-size", "1.5b", "--mix", "heavy", "--pairs", "4", "--steps", "40")
     return Suite(
         name="h200-alloc",
         summary="1x H200: PairDPOTrainer in a plain script (benchmarks.alloc_check, no train.py) on the heavy-tailed "
