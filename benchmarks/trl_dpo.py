@@ -42,6 +42,7 @@ from typing import Any
 
 from benchmarks.workload import MODEL_SIZES, build_model, lora_config, make_tokenizer, token_vocab, trl_rows
 
+PROCESS_START = time.perf_counter()
 TRL_MISSING = 3
 """Exit status when ``trl`` (or ``datasets``, which it needs) cannot be imported."""
 INSTALL_HINT = (
@@ -185,7 +186,8 @@ def result_row(args: argparse.Namespace, ctx: dict[str, Any], ends: list[float],
         n_params_trainable=ctx.get("n_trainable"), **options,
         peak_alloc_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
         peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
-        train_wall_s=round(ctx["train_wall_s"], 1), shapes_first=[x[2] for x in log[:3]],
+        train_wall_s=round(ctx["train_wall_s"], 1), setup_wall_s=round(ctx.get("setup_wall_s", 0.0), 1),
+        shapes_first=[x[2] for x in log[:3]],
         no_cudnn_sdp=args.no_cudnn_sdp, step_s=[round(d, 3) for d in dts], seq_len=[x[2][1] for x in log],
         warmup_step_s=[round(ends[i] - ends[i - 1], 3) for i in range(1, args.warmup)],
     )  # fmt: skip
@@ -237,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if ctx["cuda"]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    ctx["setup_wall_s"] = start - PROCESS_START
     trainer.train()
     ctx["train_wall_s"] = time.perf_counter() - start
     return result_row(args, ctx, ends, trainer_class.tok_log, trainer)
