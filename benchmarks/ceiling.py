@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from benchmarks.rows import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
+from benchmarks.workload import token_vocab
 from pair_dpo_trainer.data.tokenize import pair_costs
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
@@ -51,12 +52,14 @@ def _free_training_state(trainer: PairDPOTrainer) -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def shape_batches(trainer: PairDPOTrainer, docs: int, length: int, steps: int, seed: int) -> list[Any]:
+def shape_batches(
+    trainer: PairDPOTrainer, docs: int, length: int, steps: int, seed: int, vocab: int = VOCAB
+) -> list[Any]:
     """Per step: ``docs`` random documents of exactly ``length`` tokens packed into ONE row on the device.
 
     Built with the trainer's own collator as ``docs / 2`` pairs of a 1-token prompt and two ``length - 1``-token
     completions, so ``cu_seqlens`` is ``0, length, 2 length, ...`` and every token after a document's first is
-    scored (``length - 1`` log-probs per document). Ids are drawn from ``[3, VOCAB)`` like the workload's.
+    scored (``length - 1`` log-probs per document). Ids are drawn from ``[3, vocab)`` like the workload's.
 
     Example:
         One row of 2 x 16 tokens: ``cu_seqlens == [0, 16, 32]``, 30 scored tokens.
@@ -66,9 +69,9 @@ def shape_batches(trainer: PairDPOTrainer, docs: int, length: int, steps: int, s
     for _ in range(steps):
         pairs = [
             {
-                "prompt_input_ids": rng.integers(3, VOCAB, 1).tolist(),
-                "chosen_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
-                "rejected_input_ids": rng.integers(3, VOCAB, length - 1).tolist(),
+                "prompt_input_ids": rng.integers(3, vocab, 1).tolist(),
+                "chosen_input_ids": rng.integers(3, vocab, length - 1).tolist(),
+                "rejected_input_ids": rng.integers(3, vocab, length - 1).tolist(),
             }
             for _ in range(docs // 2)
         ]
@@ -159,7 +162,7 @@ def run_shape_ceiling(ctx: dict[str, Any], trainer: PairDPOTrainer) -> dict[str,
     optimizer step (as :func:`run_ceiling`). Real tokens per step = DOCS x LEN (each document once)."""
     args = ctx["args"]
     docs, length = args.ceiling_shape
-    batches = shape_batches(trainer, docs, length, args.warmup + args.steps, args.seed)
+    batches = shape_batches(trainer, docs, length, args.warmup + args.steps, args.seed, token_vocab(args.model_size))
     timed, extra = raw_loop(ctx, trainer, batches)
     real = docs * length * len(timed)
     tok_s = real / sum(timed)

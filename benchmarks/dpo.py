@@ -34,6 +34,14 @@ heavy`` draws the lengths of ``sampler.py``'s heavy-tailed mix instead of TRL's 
 Rows carry ``mix``, ``max_tokens_per_microbatch``, ``pad_to_budget``, ``microbatches_per_step_mean`` / ``_max`` and
 ``alloc_conf`` (``PYTORCH_CUDA_ALLOC_CONF`` as the process saw it).
 
+Memory and precision options (each recorded in every row; the trainer's options are passed only when this version of
+``PairDPOConfig`` has the field, else the flag is refused with a message): ``--lora R`` wraps the policy with peft LoRA
+(rank R on q, k, v, o, gate, up, down; alpha 2R; dropout 0; the reference is then the adapter-disabled policy, no
+copy); ``--gradient-checkpointing`` is HF's ``TrainingArguments.gradient_checkpointing`` (non-reentrant);
+``--activation-checkpointing MODE`` (``off``, ``full``, ``selective``, ``layers:K``, ``auto``), ``--activation-offload``
+and ``--fp8 RECIPE`` (``tensorwise``, ``rowwise``; needs torchao) are the trainer's ``activation_checkpointing``,
+``activation_offload`` and ``fp8``.
+
 ``--compile`` sets ``torch_compile=True`` (the trainer compiles the policy's and the reference's decoder layers in
 ``train()``; the graphs are built in the first, untimed, step) and the ceiling loops compile the same layers with
 ``compile_decoder_layers`` before their warmup steps (a no-op when the trainer already did). Every row carries
@@ -53,6 +61,8 @@ Examples:
     accelerate launch --config_file accelerate_configs/fsdp2.yaml --num_processes 1 -m benchmarks.dpo --tag fsdp2
     python -m benchmarks.dpo --tiny --ceiling --profile          # CPU smoke test (tiny model, fp32, 3 steps)
     python -m benchmarks.dpo --tiny --compile --compile-backend aot_eager --ceiling --ceiling-shape 2x16 --profile
+    python -m benchmarks.dpo --tiny --model-size tiny-qwen --lora 4 --gradient-checkpointing --ceiling
+    python -m benchmarks.dpo --tag ac_l2 --model-size 8b --compile --activation-checkpointing layers:2
 """
 
 from __future__ import annotations
@@ -60,6 +70,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import importlib.util
 import os
 import re
 import statistics
@@ -71,7 +82,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
+from transformers import TrainerCallback, TrainingArguments
 
 from benchmarks import profile_summary
 from benchmarks.ceiling import run_ceiling, run_shape_ceiling, shape_batches  # noqa: F401  (shape_batches: tests)
@@ -81,14 +92,17 @@ from benchmarks.rows import (
     dynamo_graphs,
     fsdp_fields,
     graph_fields,
+    hf_checkpointing_on,
     memory_fields,
+    option_fields,
     param_counts,
     row_head,
     step_stats,
     tf32_matmul,
     timed_tokens,
 )
-from benchmarks.workload import MODEL_SIZES, make_pairs, make_tokenizer, model_dims
+from benchmarks.workload import MODEL_SIZES, lora_config, make_pairs, make_tokenizer, token_vocab
+from benchmarks.workload import build_model as build_workload_model
 from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.tokenize import pair_costs
@@ -96,6 +110,13 @@ from pair_dpo_trainer.trainer import PairDPOTrainer
 
 PROCESS_START = time.perf_counter()
 PEAK_TFLOPS = (989, 790)
+FP8_RECIPES = ("tensorwise", "rowwise")
+TINY_SIZES = ("tiny", "tiny-qwen")
+NEW_FIELDS = {  # PairDPOConfig field -> the flag that sets it (passed only when the field exists)
+    "activation_checkpointing": "--activation-checkpointing",
+    "activation_offload": "--activation-offload",
+    "fp8": "--fp8",
+}
 
 
 # --------------------------------------------------------------------------------------------------- arguments
@@ -115,12 +136,29 @@ def parse_shape(text: str) -> tuple[int, int]:
     return docs, length
 
 
+def parse_ac(text: str) -> str:
+    """An ``--activation-checkpointing`` mode: ``off``, ``full``, ``selective``, ``auto`` or ``layers:K`` (K >= 1).
+
+    Example:
+        >>> parse_ac("layers:2"), parse_ac("auto")
+        ('layers:2', 'auto')
+    """
+    value = text.strip()
+    if value in ("off", "full", "selective", "auto") or re.fullmatch(r"layers:[1-9]\d*", value):
+        return value
+    raise argparse.ArgumentTypeError(f"{text!r}: expected off, full, selective, auto or layers:K (K >= 1)")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options (``--tiny`` changes the defaults left unset to a CPU smoke test)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tag", default="pair_dpo")
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="254m")
-    p.add_argument("--tiny", action="store_true", help="tiny model, fp32, CPU allowed, 2 pairs x (2 + 3) steps")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny model (tiny, or tiny-qwen when given as --model-size), fp32, CPU allowed, 2 pairs x (2 + 3) steps",
+    )
     p.add_argument("--bs", "--per-device-train-batch-size", dest="bs", type=int, help="pairs per micro-batch (8)")
     p.add_argument("--ga", "--gradient-accumulation-steps", dest="ga", type=int, default=1)
     p.add_argument("--bs-for-tokens", type=int, help="fixed split: choose --bs so a micro-batch holds ~N real tokens")
@@ -183,6 +221,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor", help="torch.compile backend with --compile (inductor)")
     p.add_argument("--compile-mode", help="torch.compile mode with --compile (default; max-autotune-no-cudagraphs)")
     p.add_argument("--profile", action="store_true", help="torch.profiler over the last warmup step")
+    p.add_argument(
+        "--lora",
+        type=int,
+        metavar="R",
+        help="peft LoRA of rank R on q,k,v,o,gate,up,down (alpha 2R, dropout 0); reference = adapter-disabled policy",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="TrainingArguments.gradient_checkpointing=True (HF's per-layer checkpointing, use_reentrant=False)",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        type=parse_ac,
+        metavar="MODE",
+        help="PairDPOConfig.activation_checkpointing: off, full, selective, layers:K (every K-th decoder layer) or "
+        "auto (the cheapest setting that fits the token budget, measured at start)",
+    )
+    p.add_argument("--activation-offload", action="store_true", help="PairDPOConfig.activation_offload=True")
+    p.add_argument("--fp8", choices=FP8_RECIPES, metavar="RECIPE", help="PairDPOConfig.fp8: tensorwise or rowwise")
     p.add_argument("--progress", action="store_true", help="rank 0 prints each step's time and the setup phases")
     p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
     p.add_argument("--seed", type=int, default=0)
@@ -194,8 +252,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in (tiny if args.tiny else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.tiny:
+    if args.tiny and args.model_size not in TINY_SIZES:
         args.model_size = "tiny"
+    if args.lora is not None and args.lora < 1:
+        p.error("--lora R needs a rank R >= 1")
+    if args.gradient_checkpointing and args.activation_checkpointing not in (None, "off"):
+        p.error("--gradient-checkpointing and --activation-checkpointing would both recompute layers: keep one")
     if args.compile_mode is not None and not args.compile:
         p.error("--compile-mode needs --compile")
     if args.max_tokens_per_microbatch and (args.ga != 1 or args.bs_for_tokens):
@@ -221,19 +283,18 @@ def pairs_per_microbatch(args: argparse.Namespace) -> int:
     return max(1, round(args.bs_for_tokens / mean_cost))
 
 
-def build_model(args: argparse.Namespace, device: torch.device) -> LlamaForCausalLM:
-    """The random-init Llama of ``--model-size`` (bf16 on CUDA unless ``--tiny``), on ``device``.
+def build_model(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The random-init model of ``--model-size`` (``workload.build_model``, the TRL side's builder too), bf16 on CUDA
+    unless ``--tiny``, on ``device`` (the 1.5B and 8B sizes are initialised on the GPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" and not args.tiny else None
+    return build_workload_model(args.model_size, seed=args.seed, device=device, dtype=dtype)
 
-    Initialised on the CPU like the TRL script, except the 1.5B and 8B models, which are initialised on the GPU (same
-    distribution, other random stream) to save ~20 s of CPU init per run.
-    """
-    torch.manual_seed(args.seed)
-    init_device = device if device.type == "cuda" and args.model_size in ("1.5b", "8b") else torch.device("cpu")
-    with init_device:
-        model = LlamaForCausalLM(LlamaConfig(**model_dims(args.model_size)))
-    if device.type == "cuda" and not args.tiny:
-        model = model.to(torch.bfloat16)
-    return model.to(device)
+
+def apply_lora(model: torch.nn.Module, rank: int) -> torch.nn.Module:
+    """``peft.get_peft_model`` with ``workload.lora_config(rank)`` (the TRL side passes the same config)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(rank))
 
 
 def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool) -> PairDPOConfig:
@@ -260,11 +321,13 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
         pad_to_budget=args.pad_to_budget,
     )
+    if args.gradient_checkpointing:  # HF's: the Trainer enables it on the model in train()
+        kwargs.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.compile:  # the trainer compiles the decoder layers at the start of train() (modeling/compile.py)
         kwargs.update(torch_compile=True, torch_compile_backend=args.compile_backend)
         if args.compile_mode is not None:
             kwargs["torch_compile_mode"] = args.compile_mode
-    fields = {f.name for f in dataclasses.fields(PairDPOConfig)}
+    fields = trainer_fields()
     if "allow_unpinned_reference" in fields and args.reference != "free":
         kwargs["allow_unpinned_reference"] = True  # an in-memory random-init reference has no pinned snapshot
     if args.ref_zero_stage is not None:
@@ -283,7 +346,47 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
                 "--reference precomputed needs PairDPOConfig.precompute_ref_log_probs (not in this version)"
             )
         kwargs["precompute_ref_log_probs"] = True
+    kwargs.update(new_option_kwargs(args, fields))
     return PairDPOConfig(**kwargs)
+
+
+def trainer_fields(config_class: type = PairDPOConfig) -> set[str]:
+    """The field names of ``config_class`` (``PairDPOConfig``) minus transformers' own fields of the same name and
+    declaration: transformers 5.24's ``TrainingArguments`` has ``activation_checkpointing: bool | None`` (the new name
+    of ``gradient_checkpointing``; 5.17 has none), which is not the trainer's ``activation_checkpointing`` mode. A field
+    the trainer redeclares (another type or default) counts as the trainer's.
+
+    Example:
+        >>> "activation_checkpointing" in trainer_fields(TrainingArguments), "max_length" in trainer_fields()
+        (False, True)
+    """
+    hf = {f.name: f for f in dataclasses.fields(TrainingArguments)}
+    return {
+        f.name
+        for f in dataclasses.fields(config_class)
+        if f.name not in hf or (f.type, f.default) != (hf[f.name].type, hf[f.name].default)
+    }
+
+
+def new_option_kwargs(args: argparse.Namespace, fields: set[str]) -> dict[str, Any]:
+    """``activation_checkpointing`` / ``activation_offload`` / ``fp8`` for the flags given (nothing for the flags left
+    out, so the config's defaults run); SystemExit when a flag is given and ``PairDPOConfig`` lacks its field, or
+    ``--fp8`` without torchao."""
+    given = {
+        "activation_checkpointing": args.activation_checkpointing,
+        "activation_offload": True if args.activation_offload else None,
+        "fp8": args.fp8,
+    }
+    kwargs = {name: value for name, value in given.items() if value is not None}
+    for name in kwargs:
+        if name not in fields:
+            raise SystemExit(f"{NEW_FIELDS[name]} needs PairDPOConfig.{name} (not in this version)")
+    if args.fp8 and importlib.util.find_spec("torchao") is None:
+        raise SystemExit(
+            "--fp8 needs torchao (float8 training): pip install torchao==0.17.0 (the GPU machine installs the carried "
+            "wheel from .whl/ through benchmarks/device.sh)"
+        )
+    return kwargs
 
 
 class StepClock(TrainerCallback):
@@ -377,8 +480,11 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "real_tok_s_gpu_from_median": round(real / steps / statistics.median(dts), 1),
         "n_params": ctx["params"][0],
         "n_params_no_embed": ctx["params"][1],
+        "n_params_trainable": ctx["trainable"],
+        **resolved_fields(trainer),
         **memory_fields(ctx["cuda"]),
         "train_wall_s": round(ctx["train_wall_s"], 1),
+        "setup_wall_s": round(ctx["setup_wall_s"], 1),
         "shapes_first": [[1, x[2]] for x in log[:3]],
         "no_cudnn_sdp": args.no_cudnn_sdp,
         "step_s": [round(d, 3) for d in dts],
@@ -387,6 +493,21 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "first_step_s": round(probe.ends[0] - probe.begins[0], 3) if probe.ends else None,
         **(graph_fields(probe.graphs0, probe.graphs, len(probe.ends) - steps) if probe.count_graphs else {}),
         "tf32_matmul": tf32_matmul(),
+    }
+
+
+def resolved_fields(trainer: BenchTrainer) -> dict[str, Any]:
+    """What ran, read back after training: the trainer's ``activation_checkpointing`` and token budget as the trainer
+    left them in ``trainer.args`` (``auto`` may be resolved at start), and whether HF's own per-layer checkpointing
+    was on the model (``--gradient-checkpointing``; on transformers 5.24 ``gradient_checkpointing`` is an alias of
+    ``TrainingArguments.activation_checkpointing``)."""
+    args = trainer.args
+    ac = getattr(args, "activation_checkpointing", None) if "activation_checkpointing" in trainer_fields() else None
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return {
+        "config_activation_checkpointing": ac if ac is None or isinstance(ac, (str, bool, int)) else str(ac),
+        "config_max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "hf_checkpointing_on_model": hf_checkpointing_on(model),
     }
 
 
@@ -430,12 +551,17 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
     args = ctx["args"]
     ctx["bs"] = pairs_per_microbatch(args)
     total_steps = args.warmup + args.steps
-    pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed, args.mix)
-    model = build_model(args, ctx["device"])
-    ctx["params"] = param_counts(model)
-    ref_model = copy.deepcopy(model) if args.reference != "free" and args.ref_source == "explicit" else None
+    vocab = token_vocab(args.model_size)
+    pairs = make_pairs((total_steps + 2) * ctx["bs"] * args.ga * ctx["world"], args.seed, args.mix, vocab)
     bf16 = ctx["cuda"] and not args.tiny
-    config = build_config(args, ctx["bs"], total_steps, bf16)
+    config = build_config(args, ctx["bs"], total_steps, bf16)  # before the model: a refused flag costs no init
+    model = build_model(args, ctx["device"])
+    ctx["params"] = param_counts(model)  # the base model's (8N convention; LoRA adapters are not counted)
+    explicit = args.reference != "free" and args.ref_source == "explicit" and args.lora is None
+    ref_model = copy.deepcopy(model) if explicit else None  # LoRA: the trainer's adapter-disabled reference
+    if args.lora is not None:
+        model = apply_lora(model, args.lora)
+    ctx["trainable"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
     BenchTrainer.probe = probe
     trainer = BenchTrainer(
         model=model,
@@ -451,7 +577,8 @@ def build_trainer(ctx: dict[str, Any], probe: Probe) -> BenchTrainer:
         f"model={args.model_size} ({ctx['params'][0] / 1e6:.1f}M params), "
         f"{ctx['bs']} pairs x {args.ga} micro-batches per step (budget {args.max_tokens_per_microbatch}, mix "
         f"{args.mix}), attn backend {trainer.attn_backend}, "
-        f"reference={args.reference}/{args.ref_source}, bf16={bf16}",
+        f"reference={args.reference}/{args.ref_source} ({type(trainer.reference).__name__}), bf16={bf16}, "
+        f"options {option_fields(args)}",
         flush=True,
     )
     return trainer
@@ -503,6 +630,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if ctx["cuda"]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
+    ctx["setup_wall_s"] = start - PROCESS_START  # imports, model, reference identity, trainer: a suite's time budget
     trainer.train()
     ctx["train_wall_s"] = time.perf_counter() - start
     row = result_row(ctx, probe, trainer)

@@ -41,6 +41,7 @@ SUMMARY_COLUMNS = (
     ("real_tok_s_gpu", "tok/s/GPU"),
     ("padding_frac", "padding"),
     ("peak_alloc_gib", "peak GiB"),
+    ("peak_reserved_gib", "reserved GiB"),
     ("mfu8N_989", "MFU 8N all"),
     ("mfu_noembed_989", "MFU kN non-emb"),
     ("compile", "compile"),
@@ -89,9 +90,9 @@ def ratio_line(rows: list[dict[str, Any]], num: str, den: str) -> str:
 
 
 def memory_lines(rows: list[dict[str, Any]], pairs: Sequence[tuple[str, str]]) -> list[str]:
-    """``MEM`` lines (peak memory, micro-batches per step) of the main rows the ``pairs`` name, then ``MEM RATIO
-    a/b`` of peak allocated and reserved GiB (rank 0 rows)."""
-    main = {r.get("tag"): r for r in rows if r.get("impl") == "pair_dpo" and r.get("rank", 0) == 0}
+    """``MEM`` lines (peak memory, micro-batches per step) of the main rows the ``pairs`` name (ours' or TRL's),
+    then ``MEM RATIO a/b`` of peak allocated and reserved GiB (rank 0 rows)."""
+    main = {r.get("tag"): r for r in rows if r.get("impl") in ("pair_dpo", "trl") and r.get("rank", 0) == 0}
     lines = []
     for tag in dict.fromkeys(t for pair in pairs for t in pair):
         if tag in main:

@@ -82,9 +82,24 @@ class Probe:
 
 # --------------------------------------------------------------------------------------------------- results
 def param_counts(model: torch.nn.Module) -> tuple[int, int]:
-    """``(all parameters, parameters minus the input embedding)``; ZeRO-3 partitioned tensors count in full."""
+    """``(all parameters, parameters whose matmul runs per token)``; ZeRO-3 partitioned tensors count in full.
+
+    The second is all parameters minus the input embedding (a lookup, no FLOPs), except for a TIED head: the embedding
+    matrix is then also the LM head, whose matmul runs per token, so it stays in (counted once, as ``parameters()``
+    yields a shared tensor once). A PEFT model counts its base weights and adapters.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> dims = dict(hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, vocab_size=10)
+        >>> untied, tied = (LlamaForCausalLM(LlamaConfig(**dims, tie_word_embeddings=t)) for t in (False, True))
+        >>> param_counts(untied)[0] - param_counts(untied)[1], param_counts(tied)[0] - param_counts(tied)[1]
+        (80, 0)
+    """
     total = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is not None and getattr(head, "weight", None) is embed:
+        return total, total
     return total, total - getattr(embed, "ds_numel", embed.numel())
 
 
@@ -128,8 +143,31 @@ def timed_tokens(probe: Probe, warmup: int) -> tuple[list[float], list[tuple[int
     return dts, log
 
 
+def option_fields(args: Any) -> dict[str, Any]:
+    """The memory / precision options a ``benchmarks.dpo`` row ran with (None: the flag was not given, the trainer's
+    default ran): LoRA rank, HF gradient checkpointing, the trainer's activation checkpointing / offload and fp8."""
+    return {
+        "lora_r": getattr(args, "lora", None),
+        "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
+        "activation_checkpointing": getattr(args, "activation_checkpointing", None),
+        "activation_offload": bool(getattr(args, "activation_offload", False)),
+        "fp8": getattr(args, "fp8", None),
+    }
+
+
+def hf_checkpointing_on(model: torch.nn.Module) -> bool:
+    """Whether HF's own per-layer checkpointing is on ``model`` (``is_activation_checkpointing`` in transformers 5.24,
+    ``is_gradient_checkpointing`` in 5.17; a PEFT model answers for its base model)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(base), name):
+            return bool(getattr(base, name))
+    return False
+
+
 def row_head(ctx: dict[str, Any], trainer: Any, impl: str, tok_s: float, tag: str | None = None) -> dict[str, Any]:
-    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention, compile), tok/s and MFU."""
+    """Fields every row shares: what ran (tag, impl, rank, model, reference, attention, compile, memory / precision
+    options), tok/s and MFU."""
     args = ctx["args"]
     n_all, n_noembed = ctx["params"]
     factor = 8 if args.reference == "online" else 6  # 6N policy fwd+bwd, plus 2N for an online reference forward
@@ -144,6 +182,7 @@ def row_head(ctx: dict[str, Any], trainer: Any, impl: str, tok_s: float, tag: st
         "compile": bool(args.compile),
         "compile_backend": args.compile_backend if args.compile else None,
         "compile_mode": args.compile_mode,
+        **option_fields(args),
         "real_tok_s_gpu": round(tok_s, 1),
         **mfu_fields(tok_s, n_all, n_noembed, factor),
     }

@@ -35,6 +35,7 @@ from benchmarks.trl_dpo import INSTALL_HINT, trl_available
 
 KEY_LINES = (
     "RATIO", "SAME_OUTPUTS", "PROBE", "WARNING", "SKIPPED", "Traceback", "CEILING skipped", "pair_dpo: world_size",
+    "LIGER_MISSING", "torch.OutOfMemoryError",
 )  # fmt: skip
 
 

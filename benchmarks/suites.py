@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from benchmarks.multi_gpu import SCALING_SUITES, launch_and_fault_suites
 from benchmarks.spec import Curves, Run, Setup, Suite, ours, ratios, train, trl
+from benchmarks.speed_suites import SPEED_SUITES
 
 NC = "--no-cudnn-sdp"  # cuDNN SDPA stalls on new shapes (docs/benchmarks.md): off in every GPU suite
 PROGRESS = (NC, "--progress")
@@ -593,5 +594,6 @@ SUITES: dict[str, Suite] = {
         _objectives(),
         *_data_scale(),
         *SCALING_SUITES,
+        *SPEED_SUITES,
     )
 }

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,85 @@ def test_a_past_deadline_skips_every_run_and_still_reports(tmp_path, monkeypatch
     out = capsys.readouterr().out
     assert out.count("SKIPPED (deadline)") == 2 and "RATIO ours_tiny/trl_tiny: missing ours_tiny and trl_tiny" in out
     assert (tmp_path / "out" / "report.md").is_file()
+
+
+# --------------------------------------------------------------------------------------------- speed / memory suites
+NEW_SUITES = ("h200-speed-qwen", "h200-speed-8b", "h200-speed-8b-trl", "h200-alloc", "h200-gpu-tests")
+
+
+def _parsed(name: str) -> dict[str, tuple[Run, object]]:
+    """``tag -> (run, parsed args)`` of a suite's ours / TRL runs."""
+    parsers = {"ours": dpo.parse_args, "trl": trl_dpo.parse_args}
+    return {r.tag: (r, parsers[r.tool](list(r.args))) for r in SUITES[name].runs if r.tool in parsers}
+
+
+@pytest.mark.parametrize("name", NEW_SUITES)
+def test_speed_suites_fit_one_call_and_run_ours_before_trl(name):
+    suite = SUITES[name]
+    assert suite.gpus == 1 and suite.deadline_s <= 540 and suite.look_for and plan.problems(suite) == []
+    tools = [r.tool for r in suite.runs if r.tool in ("ours", "trl")]
+    assert tools == sorted(tools, key=lambda t: t == "trl")  # TRL's runs after ours (the deadline cuts the end)
+    for run_, args in _parsed(name).values():
+        assert args.bs == 8 and args.model_size in ("qwen1.5b", "8b")  # 8 pairs per step
+        assert run_.tool == "trl" or args.compile
+
+
+def test_qwen_suite_runs_ours_with_ceiling_profile_and_fp8_then_trl_with_and_without_liger():
+    runs = _parsed("h200-speed-qwen")
+    ours_qwen = runs["ours_qwen"][1]
+    assert ours_qwen.ceiling and ours_qwen.profile and runs["ours_qwen_fp8"][1].fp8 == "tensorwise"
+    assert runs["trl_qwen_liger"][1].liger and not runs["trl_qwen"][1].liger
+    wanted = {("ours_qwen", "trl_qwen_liger"), ("ours_qwen", "ours_qwen:pair_dpo_ceiling")}
+    wanted.add(("ours_qwen_fp8", "ours_qwen"))
+    assert wanted <= set(SUITES["h200-speed-qwen"].ratios)
+
+
+def test_8b_suite_covers_every_checkpointing_setting_fp8_lora_and_trl():
+    runs = _parsed("h200-speed-8b")
+    modes = {args.activation_checkpointing for run_, args in runs.values() if run_.tool == "ours"}
+    assert {"off", "layers:2", "selective", "full", "auto"} <= modes
+    auto = next(args for _, args in runs.values() if args.activation_checkpointing == "auto" and not args.fp8)
+    assert auto.max_tokens_per_microbatch == 16384
+    assert runs["ours_8b_fp8"][1].fp8 == "tensorwise" and runs["ours_8b_lora16"][1].lora == 16
+    gc_liger, lora_gc = runs["trl_8b_gc_liger"][1], runs["trl_8b_lora16_gc"][1]
+    assert gc_liger.gradient_checkpointing and gc_liger.liger and gc_liger.lora is None
+    assert lora_gc.gradient_checkpointing and lora_gc.lora == 16
+    wanted = {("ours_8b_l2", "trl_8b_gc_liger"), ("ours_8b_lora16", "trl_8b_lora16_gc"), ("ours_8b_fp8", "ours_8b_l2")}
+    assert wanted <= set(SUITES["h200-speed-8b"].ratios)
+    peers = {r.tag: r for r in SUITES["h200-speed-8b-trl"].runs}
+    assert all(peers[t] == r for t, (r, _) in runs.items() if t in peers)  # the same runs, not a variant
+
+
+def test_alloc_suite_uses_the_library_api_without_the_allocator_variable_then_the_gpu_tests():
+    suite = SUITES["h200-alloc"]
+    planned = dict((r.tag, argv) for r, argv in plan.commands(suite, CONTEXT))
+    lib = planned["alloc_lib"]
+    assert lib[:5] == ["env", "-u", "PYTORCH_CUDA_ALLOC_CONF", "-u", "PYTORCH_ALLOC_CONF"]
+    assert "benchmarks.alloc_check" in lib and not any(r.tool == "train" for r in suite.runs)
+    args = importlib.import_module("benchmarks.alloc_check").parse_args(lib[lib.index("benchmarks.alloc_check") + 1 :])
+    assert (args.pairs, args.mix, args.target) == (4, "heavy", 1.15)
+    tests = [r for r in (*suite.runs, *SUITES["h200-gpu-tests"].runs) if r.tool == "pytest"]
+    assert len(tests) == 2 and all(r.args[-3:] == ("-m", "gpu", "tests/") and r.timeout_s <= 180 for r in tests)
+
+
+def test_a_failing_run_does_not_stop_the_suite(tmp_path, monkeypatch, capsys):
+    """A run that fails (here: a refused flag, exit status 2) prints its rc; the next run still runs."""
+    suite = Suite(
+        "fails", "a failing run, then one that passes", 0, 120,
+        (Run("bad", "module", ("benchmarks.report", "--no-such-flag")),
+         Run("good", "module", ("benchmarks.report", "--no-table", str(tmp_path / "none.jsonl")))),
+    )  # fmt: skip
+    monkeypatch.setitem(run.SUITES, "fails", suite)
+    assert run.main(["--suite", "fails", "--out", str(tmp_path / "out"), "--work", str(tmp_path / "w")]) == 0
+    out = capsys.readouterr().out
+    assert "rc=2 " in out and " bad " in out and "rc=0 " in out and " good " in out
+
+
+def test_device_script_dry_run_prints_the_commands_and_installs_nothing(tmp_path):
+    site = tmp_path / "site"
+    env = {**os.environ, "BENCH_SITE": str(site)}
+    proc = subprocess.run(["bash", "benchmarks/device.sh", "--suite", "h200-speed-qwen", "--dry-run"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("DRY_RUN: ")]
+    assert len(lines) == len(SUITES["h200-speed-qwen"].runs) and not site.exists()
