@@ -39,7 +39,7 @@ Memory and precision options (each recorded in every row; the trainer's options 
 (rank R on q, k, v, o, gate, up, down; alpha 2R; dropout 0; the reference is then the adapter-disabled policy, no
 copy); ``--gradient-checkpointing`` is HF's ``TrainingArguments.gradient_checkpointing`` (non-reentrant);
 ``--activation-checkpointing MODE`` (``off``, ``full``, ``selective``, ``layers:K``, ``auto``), ``--activation-offload``
-and ``--fp8 RECIPE`` (``tensorwise``, ``rowwise``; needs torchao) are the trainer's ``activation_checkpointing``,
+and ``--fp8 RECIPE`` (``tensorwise``, ``rowwise``; needs torchao) are the trainer's ``activation_checkpointing_mode``,
 ``activation_offload`` and ``fp8``.
 
 ``--compile`` sets ``torch_compile=True`` (the trainer compiles the policy's and the reference's decoder layers in
@@ -113,7 +113,7 @@ PEAK_TFLOPS = (989, 790)
 FP8_RECIPES = ("tensorwise", "rowwise")
 TINY_SIZES = ("tiny", "tiny-qwen")
 NEW_FIELDS = {  # PairDPOConfig field -> the flag that sets it (passed only when the field exists)
-    "activation_checkpointing": "--activation-checkpointing",
+    "activation_checkpointing_mode": "--activation-checkpointing",
     "activation_offload": "--activation-offload",
     "fp8": "--fp8",
 }
@@ -236,7 +236,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing",
         type=parse_ac,
         metavar="MODE",
-        help="PairDPOConfig.activation_checkpointing: off, full, selective, layers:K (every K-th decoder layer) or "
+        help="PairDPOConfig.activation_checkpointing_mode: off, full, selective, layers:K (every K-th decoder layer) or "
         "auto (the cheapest setting that fits the token budget, measured at start)",
     )
     p.add_argument("--activation-offload", action="store_true", help="PairDPOConfig.activation_offload=True")
@@ -373,7 +373,7 @@ def new_option_kwargs(args: argparse.Namespace, fields: set[str]) -> dict[str, A
     out, so the config's defaults run); SystemExit when a flag is given and ``PairDPOConfig`` lacks its field, or
     ``--fp8`` without torchao."""
     given = {
-        "activation_checkpointing": args.activation_checkpointing,
+        "activation_checkpointing_mode": args.activation_checkpointing,
         "activation_offload": True if args.activation_offload else None,
         "fp8": args.fp8,
     }
@@ -502,10 +502,12 @@ def resolved_fields(trainer: BenchTrainer) -> dict[str, Any]:
     was on the model (``--gradient-checkpointing``; on transformers 5.24 ``gradient_checkpointing`` is an alias of
     ``TrainingArguments.activation_checkpointing``)."""
     args = trainer.args
-    ac = getattr(args, "activation_checkpointing", None) if "activation_checkpointing" in trainer_fields() else None
+    plan = getattr(trainer, "layer_plan", None)  # what ran in the decoder layers (auto resolved at start)
     model = trainer.accelerator.unwrap_model(trainer.model)
     return {
-        "config_activation_checkpointing": ac if ac is None or isinstance(ac, (str, bool, int)) else str(ac),
+        "config_activation_checkpointing": None if plan is None else plan.checkpointing,
+        "auto_checkpointing_fit": None if plan is None or plan.fit is None else plan.fit.describe(),
+        "fp8_layers": None if plan is None else plan.fp8_layers,
         "config_max_tokens_per_microbatch": args.max_tokens_per_microbatch,
         "hf_checkpointing_on_model": hf_checkpointing_on(model),
     }

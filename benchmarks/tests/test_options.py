@@ -6,7 +6,6 @@ MFU parameter counts with a tied head, ``benchmarks.dpo``'s ``--lora`` / ``--gra
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 
@@ -16,7 +15,6 @@ from transformers import TrainingArguments
 
 from benchmarks import alloc_check, trl_dpo, workload
 from benchmarks.rows import param_counts
-from pair_dpo_trainer.config import PairDPOConfig
 
 
 @pytest.fixture(scope="module")
@@ -78,35 +76,29 @@ def test_option_flags_parse_and_refuse_bad_combinations(bench):
             bench.parse_args(argv)
 
 
-def test_gradient_checkpointing_is_hf_non_reentrant_and_new_options_need_their_fields(bench):
+def test_gradient_checkpointing_is_hf_non_reentrant_and_the_new_options_reach_the_config(bench):
     args = bench.parse_args(["--tiny", "--gradient-checkpointing"])
     config = bench.build_config(args, 1, 3, bf16=False)
     assert config.gradient_checkpointing and config.gradient_checkpointing_kwargs == {"use_reentrant": False}
     fields = bench.trainer_fields()
     assert "max_length" in fields and "activation_checkpointing" not in bench.trainer_fields(TrainingArguments)
-    for flag, name in (("--activation-checkpointing", "activation_checkpointing"), ("--fp8", "fp8")):
-        if name not in fields:  # this version of the package: the flag is refused with its field's name
-            with pytest.raises(SystemExit, match=f"PairDPOConfig.{name}"):
-                bench.build_config(bench.parse_args(["--tiny", flag, "auto" if "activation" in flag else "rowwise"]),
-                                   1, 3, bf16=False)  # fmt: skip
+    argv = ["--tiny", "--activation-checkpointing", "layers:2", "--activation-offload", "--fp8", "rowwise"]
+    config = bench.build_config(bench.parse_args(argv), 1, 3, bf16=False)
+    assert (config.activation_checkpointing_mode, config.activation_offload, config.fp8) == (
+        "layers:2",
+        True,
+        "rowwise",
+    )
 
 
-def test_new_options_reach_a_config_that_declares_them(bench, monkeypatch):
-    """A PairDPOConfig with the trainer's new fields (declared as the package declares them): the flags given become
-    keyword arguments, the flags left out pass nothing; transformers' own same-named field does not count."""
-
-    @dataclasses.dataclass
-    class NewConfig(PairDPOConfig):
-        fp8: str | None = None
-        activation_checkpointing: str = "off"
-        activation_offload: bool = False
-
-    fields = bench.trainer_fields(NewConfig)
-    assert {"fp8", "activation_checkpointing", "activation_offload"} <= fields
+def test_the_new_options_pass_only_when_given_and_fp8_needs_torchao(bench, monkeypatch):
+    """The flags given become keyword arguments, the flags left out pass nothing (the config's defaults run)."""
+    fields = bench.trainer_fields()
+    assert {"fp8", "activation_checkpointing_mode", "activation_offload"} <= fields
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())  # torchao "installed"
     argv = ["--activation-checkpointing", "layers:2", "--activation-offload", "--fp8", "tensorwise"]
     assert bench.new_option_kwargs(bench.parse_args(argv), fields) == {
-        "activation_checkpointing": "layers:2", "activation_offload": True, "fp8": "tensorwise",
+        "activation_checkpointing_mode": "layers:2", "activation_offload": True, "fp8": "tensorwise",
     }  # fmt: skip
     assert bench.new_option_kwargs(bench.parse_args([]), fields) == {}
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)
