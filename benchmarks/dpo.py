@@ -236,7 +236,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--activation-checkpointing",
         type=parse_ac,
         metavar="MODE",
-        help="PairDPOConfig.activation_checkpointing_mode: off, full, selective, layers:K (every K-th decoder layer) or "
+        help="PairDPOConfig.activation_checkpointing_mode: off, full, selective, layers:K (every K-th decoder layer) "
+        "or "
         "auto (the cheapest setting that fits the token budget, measured at start)",
     )
     p.add_argument("--activation-offload", action="store_true", help="PairDPOConfig.activation_offload=True")
