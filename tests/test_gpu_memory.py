@@ -1,0 +1,102 @@
+"""GPU checks of float8 training, the auto activation checkpointing and the allocator default (run on the GPU
+machine: ``pytest -m gpu -s tests/test_gpu_memory.py``). The speed of the same options is in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from tests.dpo_fixtures import random_features
+from tests.models import GPU_VOCAB, llama_100m, tiny_tokenizer
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+
+def _config(tmp_path, **options):
+    from pair_dpo_trainer import PairDPOConfig
+
+    settings = dict(
+        output_dir=str(tmp_path),
+        report_to="none",
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        max_steps=3,
+        logging_steps=1,
+        learning_rate=1e-5,
+        bf16=True,
+        save_strategy="no",
+        disable_tqdm=True,
+        allow_unpinned_reference=True,
+        max_length=1024,
+        max_prompt_length=512,
+    )
+    settings.update(options)
+    return PairDPOConfig(**settings)
+
+
+def _trainer(tmp_path, **options):
+    from pair_dpo_trainer import PairDPOTrainer
+
+    pairs = random_features(0, 24, vocab=GPU_VOCAB, prompt_len=(64, 300), completion_len=(32, 300), first_id=3)
+    return PairDPOTrainer(
+        model=llama_100m(), args=_config(tmp_path, **options), train_dataset=pairs, processing_class=tiny_tokenizer()
+    )
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_fp8_compiled_starts_at_ln2_and_trains(tmp_path, recipe, capsys):
+    pytest.importorskip("torchao.float8")
+    trainer = _trainer(tmp_path, fp8=recipe, torch_compile=True)
+    trainer.train()
+    logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
+    print(f"\nfp8 {recipe}: losses {logged}")
+    assert logged[0] == pytest.approx(math.log(2), abs=1e-6)  # policy and reference run one recipe at step 0
+    assert all(math.isfinite(loss) for loss in logged)
+    assert trainer.layer_plan.fp8_layers == 12 * 7
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    assert f"fp8 {recipe} (84 Linear layers)" in line
+
+
+def test_auto_checkpointing_measures_the_budget_and_names_its_choice(tmp_path, capsys):
+    trainer = _trainer(
+        tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=8192, per_device_train_batch_size=8
+    )
+    trainer.train()
+    fit = trainer.layer_plan.fit
+    assert fit is not None and fit.fits and fit.mode == "off"  # a 100M model at 8k tokens fits without recompute
+    assert 0 < fit.peak_bytes < fit.limit_bytes
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    print(f"\n{line}")
+    assert "activation checkpointing auto -> off (peak" in line and "at 8192 tokens" in line
+
+
+def test_a_library_config_gives_the_allocator_expandable_segments():
+    """A fresh process that builds only a PairDPOConfig (no train.py, no variable set) allocates in expandable
+    segments."""
+    script = textwrap.dedent(
+        """
+        import os, torch
+        from pair_dpo_trainer import PairDPOConfig
+        config = PairDPOConfig(output_dir="/tmp/alloc_check", report_to="none")
+        x = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        segments = torch.cuda.memory._snapshot()["segments"]
+        print(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), all(s.get("is_expandable", False) for s in segments))
+        print(config.allocator)
+        """
+    )
+    env = {
+        k: v for k, v in __import__("os").environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+    }
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = out.stdout.strip().splitlines()[-2:]
+    print(f"\n{first}\n{second}")
+    assert first == "expandable_segments:True True" and "pair_dpo default" in second
