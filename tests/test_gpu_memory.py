@@ -80,7 +80,8 @@ def test_auto_checkpointing_measures_the_budget_and_names_its_choice(tmp_path, c
 
 def test_a_library_config_gives_the_allocator_expandable_segments():
     """A fresh process that builds only a PairDPOConfig (no train.py, no variable set) allocates in expandable
-    segments."""
+    segments: through the variable when CUDA had not started, or the running allocator when an import (torchao
+    through transformers) started it already."""
     script = textwrap.dedent(
         """
         import os, torch
@@ -99,4 +100,4 @@ def test_a_library_config_gives_the_allocator_expandable_segments():
     assert out.returncode == 0, out.stderr[-3000:]
     first, second = out.stdout.strip().splitlines()[-2:]
     print(f"\n{first}\n{second}")
-    assert first == "expandable_segments:True True" and "pair_dpo default" in second
+    assert first.endswith(" True") and "expandable_segments:True" in second

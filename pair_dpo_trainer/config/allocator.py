@@ -60,8 +60,9 @@ def apply_allocator_default(environ: MutableMapping[str, str] | None = None) -> 
         return f"{chosen} (set before the run)"
     if default_cuda_allocator(environ) is not None:
         return f"{DEFAULT_ALLOC_CONF} (pair_dpo default; set PYTORCH_CUDA_ALLOC_CONF to choose another)"
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings(DEFAULT_ALLOC_CONF)
+        setter(DEFAULT_ALLOC_CONF)
     except (AttributeError, RuntimeError) as exc:
         return (
             f"PyTorch's default: CUDA started before the config and the allocator could not be reconfigured ({exc}); "

@@ -96,6 +96,8 @@ def prepare_layers(
         offload_activations(policy)
     if args.torch_compile:
         backend, compile_mode = args.torch_compile_backend or "inductor", args.torch_compile_mode
+        if args.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
+            torch._inductor.config.emulate_precision_casts = True  # reference's inference graph alike (ln 2 at step 0)
         compile_head_kernels(backend)  # the chunked head's element-wise work, fused
         compile_decoder_layers(policy, backend=backend, mode=compile_mode)
         if reference_model is not None:
