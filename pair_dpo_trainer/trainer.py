@@ -364,6 +364,15 @@ class PairDPOTrainer(Trainer):
 
         return pair_cost_array(dataset)  # [N] int64 from the Arrow lengths: no Python int per pair
 
+    def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's epoch, not run at all once ``max_steps`` are done: a run resumed from the checkpoint of its
+        last step (a final evaluation or save that was interrupted) trains no extra step, so its final model is the
+        uninterrupted run's."""
+        if 0 < self.state.max_steps <= self.state.global_step:
+            self.control.should_training_stop = True
+            return None
+        return super()._run_epoch(*args, **kwargs)
+
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The GA micro-batches of one step and ``N``, the global pair count of the step (from the schedule)."""
         batch_samples = []

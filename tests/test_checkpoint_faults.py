@@ -101,6 +101,17 @@ def test_resume_latest_skips_a_checkpoint_with_a_truncated_file_and_refuses_it_b
     assert trainer.state.global_step == 6
 
 
+def test_resuming_the_checkpoint_of_the_last_step_trains_no_further_step(tmp_path):
+    """A run whose final evaluation or save was interrupted is redone from its last step's checkpoint: the Trainer
+    alone would train one step more (its epoch loop checks ``max_steps`` only after a step)."""
+    spec = run_spec(tmp_path, "run", max_steps=4)
+    _, params = _train_in_process(spec)
+    resumed, resumed_params = _train_in_process({**spec, "resume": "latest"})
+    assert resumed.run_guard.resume_checkpoint == str(Path(spec["out"]) / "checkpoint-4")
+    assert resumed.state.global_step == 4 and _losses_after(resumed, 4) == []
+    assert_same_parameters(params, resumed_params)
+
+
 def test_resume_latest_with_no_complete_checkpoint_refuses_and_auto_starts_fresh(tmp_path):
     spec = run_spec(tmp_path, "run", max_steps=2, save_steps=10)
     trainer = build(spec)
