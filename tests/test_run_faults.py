@@ -6,24 +6,31 @@ launcher would), so that one rank can be signalled and every rank's exit code is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from pair_dpo_trainer.errors import RunError
 from pair_dpo_trainer.fault_tolerance import PREEMPTED_EXIT_CODE
+from pair_dpo_trainer.fault_tolerance import lock as lock_module
 from pair_dpo_trainer.fault_tolerance.checkpoint import checkpoint_problem, list_checkpoints, read_manifest
 from pair_dpo_trainer.fault_tolerance.lock import (
     LOCK_FILENAME,
+    TAKE_OVER_ENV,
     LockHolder,
     OutputDirLock,
     acquire_output_dir,
+    judge,
     process_start_ticks,
     release_output_dir,
 )
@@ -56,12 +63,32 @@ def _lock_record(directory: Path, **fields) -> Path:
 
 
 def test_a_live_holder_on_this_host_is_refused_and_named(tmp_path):
-    path = _lock_record(tmp_path, pid=os.getppid(), start_ticks=process_start_ticks(os.getppid()), token="other")
-    with pytest.raises(RunError) as refused:
-        OutputDirLock(tmp_path).acquire()
-    assert refused.value.reason_code == "output_dir_in_use"
-    assert f"pid {os.getppid()}" in str(refused.value) and socket.gethostname() in str(refused.value)
-    assert json.loads(path.read_text())["token"] == "other"
+    holder = OutputDirLock(tmp_path)  # another open file of the lock: its kernel lock excludes this process too
+    assert holder.acquire() is None
+    try:
+        with pytest.raises(RunError) as refused:
+            OutputDirLock(tmp_path).acquire()
+        assert refused.value.reason_code == "output_dir_in_use" and "kernel lock" in str(refused.value)
+        assert f"pid {os.getpid()}" in str(refused.value) and socket.gethostname() in str(refused.value)
+        assert json.loads((tmp_path / LOCK_FILENAME).read_text())["token"] == holder.holder.token
+    finally:
+        holder.release()
+    assert not (tmp_path / LOCK_FILENAME).exists()
+
+
+def test_the_holder_refreshes_its_heartbeat_in_place(tmp_path, monkeypatch):
+    monkeypatch.setattr(lock_module, "HEARTBEAT_SECONDS", 0.05)
+    holder = OutputDirLock(tmp_path)
+    holder.acquire()
+    try:
+        path = tmp_path / LOCK_FILENAME
+        first, inode = json.loads(path.read_text())["heartbeat"], path.stat().st_ino
+        deadline = time.monotonic() + 10
+        while json.loads(path.read_text())["heartbeat"] == first and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert json.loads(path.read_text())["heartbeat"] > first and path.stat().st_ino == inode  # same file
+    finally:
+        holder.release()
 
 
 def test_a_reused_pid_or_another_boot_is_a_dead_holder_and_is_taken_over(tmp_path):
@@ -85,6 +112,102 @@ def test_a_holder_on_another_host_or_a_foreign_file_is_never_taken_over(tmp_path
     with pytest.raises(RunError) as foreign:
         OutputDirLock(tmp_path).acquire()
     assert foreign.value.reason_code == "output_dir_in_use" and "not a pair_dpo lock record" in str(foreign.value)
+
+
+def test_a_holder_that_cannot_be_proven_dead_is_taken_over_only_by_its_own_token(tmp_path, monkeypatch):
+    _lock_record(tmp_path, host="node-17", pid=1, token="0123abcd")
+    with pytest.raises(RunError) as refused:
+        OutputDirLock(tmp_path).acquire()
+    assert f"{TAKE_OVER_ENV}=0123abcd" in str(refused.value) and "last heartbeat was" in str(refused.value)
+    monkeypatch.setenv(TAKE_OVER_ENV, "another-holding")
+    with pytest.raises(RunError):
+        OutputDirLock(tmp_path).acquire()
+    monkeypatch.setenv(TAKE_OVER_ENV, "0123abcd")
+    lock = OutputDirLock(tmp_path)
+    warning = lock.acquire()
+    assert warning is not None and f"as {TAKE_OVER_ENV} asks" in warning and "node-17" in warning
+    assert json.loads((tmp_path / LOCK_FILENAME).read_text())["token"] == lock.holder.token
+    with pytest.raises(RunError) as live:  # never a holding whose kernel lock is held, whatever the token
+        monkeypatch.setenv(TAKE_OVER_ENV, lock.holder.token)
+        OutputDirLock(tmp_path).acquire()
+    assert "kernel lock" in str(live.value)
+    lock.release()
+
+
+def test_what_proves_a_holder_dead_without_its_kernel_lock():
+    """Another kernel's holder (a network filesystem, where flock may be per client) is dead only when its machine
+    rebooted: on a filesystem only this kernel mounts, or by a heartbeat older than this boot."""
+    now = LockHolder.current()
+    other_boot = dataclasses.replace(now, boot_id="an-earlier-boot")
+    stale = dataclasses.replace(other_boot, heartbeat="2000-01-01T00:00:00+00:00")
+    assert judge(other_boot, "taken", local_filesystem=True)[0]
+    assert not judge(other_boot, "taken", local_filesystem=False)[0]  # a live twin with the same host name?
+    assert judge(stale, "taken", local_filesystem=False)[0]
+    assert not judge(now, "busy", local_filesystem=True)[0]
+    assert judge(now, "taken", local_filesystem=False)[0]  # same kernel: its flock would have refused this one
+    no_flock = dataclasses.replace(now, kernel_lock=False, pid_namespace="pid:[1]")
+    assert not judge(no_flock, "unsupported", local_filesystem=False)[0]  # another namespace: pids prove nothing
+    dead_pid = dataclasses.replace(now, kernel_lock=False, pid=_dead_pid())
+    assert judge(dead_pid, "unsupported", local_filesystem=False) == (True, f"no process {dead_pid.pid} exists")
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def _unshare_refusal() -> str | None:
+    """Why this machine cannot run a process in a new PID namespace (None: it can)."""
+    if shutil.which("unshare") is None:
+        return "no unshare(1) on this machine"
+    try:
+        done = subprocess.run(UNSHARE + ["true"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"unshare --pid --fork --mount-proc failed: {exc}"
+    return None if done.returncode == 0 else f"unshare --pid --fork --mount-proc refused: {done.stderr.strip()}"
+
+
+UNSHARE = ["unshare", "--pid", "--fork", "--mount-proc"]
+LOCK_HOLDER = [sys.executable, str(ROOT / "tests" / "lock_holder.py")]
+
+
+def _hold(directory: Path, ready: Path, *prefix: str, fork: bool = False) -> subprocess.Popen:
+    proc = subprocess.Popen([*prefix, *LOCK_HOLDER, "hold", str(directory), str(ready), *(["fork"] if fork else [])])
+    deadline = time.monotonic() + 60
+    while not (ready.exists() and ready.read_text().endswith("\n")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the lock holder did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def _try(directory: Path, *prefix: str) -> dict:
+    done = subprocess.run([*prefix, *LOCK_HOLDER, "try", str(directory)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.skipif(_unshare_refusal() is not None, reason=str(_unshare_refusal()))
+def test_a_lock_held_in_another_pid_namespace_is_refused_and_a_dead_holders_is_taken_over(tmp_path):
+    """Containers sharing a host name and a volume: the kernel lock, not the pid, tells whether the holder lives."""
+    for name, holder_ns, contender_ns in (("in", [], UNSHARE), ("out", [*UNSHARE, "--kill-child"], [])):
+        out = tmp_path / name
+        holder = _hold(out, tmp_path / f"{name}.ready", *holder_ns, fork=True)
+        try:
+            result = _try(out, *contender_ns)
+            held_in = (tmp_path / f"{name}.ready").read_text().split()[1]
+            assert result["pid_namespace"] != held_in  # really two PID namespaces
+            assert result["outcome"] == "refused" and result["reason_code"] == "output_dir_in_use", result
+            assert "kernel lock" in result["message"]
+        finally:
+            holder.kill()  # SIGKILL: no clean-up; its forked child still runs (a DataLoader worker would)
+            holder.wait(30)
+    child = int((tmp_path / "in.ready").read_text().splitlines()[1])
+    try:
+        result = _try(tmp_path / "in", *UNSHARE)  # at once, while the holder's child still lives
+        assert result["outcome"] == "acquired" and "no longer alive" in result["warning"], result
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_the_lock_is_reentrant_in_one_process_and_released_by_its_last_holder(tmp_path):
