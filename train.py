@@ -22,6 +22,7 @@ from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.fault_tolerance.preemption import clear_marker, stop_on_signal
 from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.parallel.collectives import end_process_group
@@ -152,7 +153,19 @@ def _is_bundled(path: str) -> bool:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    """Parses the arguments and runs: a stop signal (SIGTERM, SIGINT) at any point after that exits with 75.
+
+    In the training loop the run finishes the optimizer step and saves a checkpoint first; the final save is finished
+    before stopping; anywhere else it stops at once, removing its temporary files (``fault_tolerance.preemption``).
+    Either way ``--resume_from_checkpoint auto`` (or ``latest`` once a checkpoint exists) goes on from there.
+    """
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
+    with stop_on_signal("train.py (checking the options, reading the data)", output_dir=config.output_dir):
+        clear_marker(config.output_dir)  # a new run: an earlier preemption of this output_dir is over
+        return _run(model_args, data_args, config)
+
+
+def _run(model_args: ModelArguments, data_args: DataArguments, config: PairDPOConfig) -> dict[str, float]:
     check_config(config)  # every option problem now, before the model, tokenizer or data load
     uses = uses_reference(config.loss_type, reference_free=config.reference_free)
     if _is_bundled(model_args.model_name_or_path) and uses and config.ref_model_revision is None:
@@ -171,11 +184,12 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     metrics = trainer.evaluate() if eval_rows else {}
-    trainer.save_model()
-    trainer.save_state()
-    if trainer.is_world_process_zero():
-        plot_training_curves(trainer.state.log_history, f"{config.output_dir}/{CURVES_FILENAME}")
-        print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+    with stop_on_signal("the final save", defer=True):  # finished, then stopped: never a half-written final model
+        trainer.save_model()
+        trainer.save_state()
+        if trainer.is_world_process_zero():
+            plot_training_curves(trainer.state.log_history, f"{config.output_dir}/{CURVES_FILENAME}")
+            print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
     return metrics
 
 

@@ -74,6 +74,31 @@ class CheckpointError(PairDPOError):
     free_bytes: int | None = None
 
 
+PREEMPTED_EXIT_CODE = 75
+"""Exit status of a run stopped by a stop signal (SIGTERM, SIGINT): ``EX_TEMPFAIL`` of ``sysexits.h``."""
+
+
+class Preempted(SystemExit):
+    """A stop signal (SIGTERM, SIGINT) ended the run; uncaught, the process exits with :data:`PREEMPTED_EXIT_CODE`.
+
+    A ``SystemExit``, not a :class:`PairDPOError`: ``except Exception`` does not swallow it, ``finally`` blocks run
+    (temporary files are removed) and the interpreter exits normally (the output-dir lock is released).
+
+    Attributes:
+        reason_code: ``"preempted"``.
+        message: What was interrupted and how to go on.
+    """
+
+    reason_code = "preempted"
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 _REDOWNLOAD = "hf download REPO --revision <40-hex sha> --local-dir DIR"
 _PIN = "`pair-dpo pin DIR` (a directory you saved yourself, e.g. after SFT)"
 

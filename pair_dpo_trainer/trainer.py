@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -35,6 +36,8 @@ from pair_dpo_trainer.data.dataset import as_pair_dataset
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
+from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
+from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
@@ -70,8 +73,9 @@ from pair_dpo_trainer.training.summary import announce_run
 logger = logging.getLogger(__name__)
 
 
-class PairDataLoader(DataLoader):
-    """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch)."""
+class PairDataLoader(StopSafeDataLoader):
+    """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch); its workers
+    survive a stop signal meant for the job (``fault_tolerance.workers``)."""
 
     def set_epoch(self, epoch: int) -> None:
         sampler: Any = self.batch_sampler
@@ -91,12 +95,19 @@ class PairDPOTrainer(Trainer):
         processing_class: The tokenizer (loaded from the model path when omitted).
         ref_model: An explicit reference model (default: built from ``args``, see :mod:`pair_dpo_trainer.reference`).
         **kwargs: Passed to ``transformers.Trainer`` (callbacks, optimizers, ...).
+
+    A stop signal (SIGTERM, SIGINT) while the constructor loads and tokenises, in ``evaluate()`` or in ``train()``
+    before its loop raises ``Preempted`` (exit code 75; temporary files removed); in the training loop the run
+    finishes the step and saves first (``TrainingPreempted``); ``save_model`` finishes before it stops.
     """
 
     loss_is_scaled_for_ga = True
+    worker_init_fn: Callable[[int], Any] | None = None
+    """Run in each DataLoader worker after the trainer's own set-up (set it on the instance or a subclass)."""
     args: PairDPOConfig  # narrows the Trainer's TrainingArguments (checked in __init__)
     model: torch.nn.Module  # the policy (set by Trainer.__init__, never None here)
 
+    @stops_on_signal("building the trainer (loading the model, tokenising the datasets)")
     def __init__(
         self,
         model: PreTrainedModel | str,
@@ -108,6 +119,7 @@ class PairDPOTrainer(Trainer):
         **kwargs: Any,
     ) -> None:
         reject_unsupported_options(kwargs, where="PairDPOTrainer", table=TRAINER_KWARG_EQUIVALENTS)
+        self.args = args  # where a stop signal's marker goes (Trainer.__init__ sets it again)
         if not isinstance(args, PairDPOConfig):
             raise ConfigError(
                 "bad_args",
@@ -218,7 +230,7 @@ class PairDPOTrainer(Trainer):
 
         ``resume_from_checkpoint``: a checkpoint directory, or ``True`` / ``"latest"`` (the newest complete checkpoint
         of ``output_dir``) or ``"auto"`` (the same, or a fresh start when there is none). The run holds the lock of
-        ``output_dir``, and a SIGTERM saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
+        ``output_dir``, and a stop signal saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
         :mod:`pair_dpo_trainer.fault_tolerance`.
         """
         options = GuardOptions.from_args(self.args)
@@ -238,6 +250,7 @@ class PairDPOTrainer(Trainer):
                 )
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
+    @stops_on_signal("evaluation")
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
         """``Trainer.evaluate`` after the reference is ready (a lazy or precomputed reference is prepared first)."""
         datasets = self._reference_datasets()
@@ -287,6 +300,7 @@ class PairDPOTrainer(Trainer):
             datasets["eval"] = self.eval_dataset
         return datasets
 
+    @stops_on_signal("saving the model", defer=True)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; under FSDP2 the final save (not a checkpoint's) always writes full weights, also
         when checkpoints are ``SHARDED_STATE_DICT`` (for which the Trainer's own final save writes none)."""
@@ -344,7 +358,7 @@ class PairDPOTrainer(Trainer):
             max_tokens_per_microbatch=self.args.max_tokens_per_microbatch,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
-        return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, DataLoader)
+        return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, StopSafeDataLoader)
 
     def _loader(self, dataset: Any, batch_sampler: Any, cls: type[DataLoader], collate_fn: Any = None) -> DataLoader:
         workers = self.args.dataloader_num_workers
@@ -356,6 +370,7 @@ class PairDPOTrainer(Trainer):
             pin_memory=self.args.dataloader_pin_memory and torch.cuda.is_available(),
             persistent_workers=self.args.dataloader_persistent_workers and workers > 0,
             prefetch_factor=self.args.dataloader_prefetch_factor if workers > 0 else None,
+            worker_init_fn=self.worker_init_fn,  # after the stop-signal filter (fault_tolerance.workers)
         )
 
     @staticmethod

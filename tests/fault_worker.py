@@ -12,12 +12,14 @@ specs trained one after the other in this process. Each spec has:
   ``gpu`` (one CUDA device per rank, NCCL, when there is CUDA), ``use_cpu``;
 - ``step_sleep`` (seconds per step, so a test can signal a run mid-way), ``progress`` (a file each rank appends
   ``rank step time`` to after every step), ``hold_until`` (after step 1, wait until that file exists);
+- ``workers`` (``dataloader_num_workers``), ``worker_marks`` (a directory: the trainer's ``worker_init_fn`` writes
+  ``<pid>`` there in each DataLoader worker, so a test sees that a user's function still runs);
 - ``fault`` (optional), a real signal or a real full disk:
 
   - ``{"kind": "save", "point": P, "signal": "KILL" | "INT", "step": S, "rank": R}``: the process signals itself
-    inside the save of step S. P is ``optimizer`` (``optimizer.pt`` half written), ``shard`` (this rank's ZeRO
-    optimizer shard half written), ``identity`` (just before the identity file is renamed into place) or
-    ``rotation`` (while an old checkpoint is being deleted);
+    inside the save of step S (``INT`` twice: Ctrl-C twice, which aborts without saving). P is ``optimizer``
+    (``optimizer.pt`` half written), ``shard`` (this rank's ZeRO optimizer shard half written), ``identity`` (just
+    before the identity file is renamed into place) or ``rotation`` (while an old checkpoint is being deleted);
   - ``{"kind": "stop", "where": "step_end" | "backward", "step": S, "rank": R}``: SIGSTOP itself at the step's end,
     or after the forward of the next step's last micro-batch;
   - ``{"kind": "die", "step": S, "rank": R}``: SIGKILL itself at the step's end;
@@ -26,6 +28,7 @@ specs trained one after the other in this process. Each spec has:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -89,6 +92,20 @@ def fill_disk(directory: Path, leave: int) -> None:
         f.write(b"\0" * max(free - leave, 0))
 
 
+def mark_worker(directory: str, worker_id: int) -> None:
+    """A user's ``worker_init_fn``: records that it ran in this DataLoader worker."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    (Path(directory) / str(os.getpid())).write_text(str(worker_id))
+
+
+def send_signal(sig: int) -> None:
+    """``sig`` to this process; SIGINT twice (the first Ctrl-C asks to stop after the step, the second aborts)."""
+    os.kill(os.getpid(), sig)
+    if sig == signal.SIGINT:
+        time.sleep(0.2)
+        os.kill(os.getpid(), sig)
+
+
 def install_save_fault(fault: dict[str, Any], trainer: PairDPOTrainer) -> None:
     """Patches the library functions a save goes through to send a real signal at the chosen point."""
     sig = getattr(signal, f"SIG{fault.get('signal', 'KILL')}")
@@ -97,7 +114,7 @@ def install_save_fault(fault: dict[str, Any], trainer: PairDPOTrainer) -> None:
         return trainer.state.global_step == fault["step"] and fault.get("rank", rank()) == rank()
 
     def hit() -> None:
-        os.kill(os.getpid(), sig)
+        send_signal(sig)
         time.sleep(5)  # SIGINT: the KeyboardInterrupt is raised here
 
     point = fault["point"]
@@ -170,6 +187,8 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
     )
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
+    if spec.get("workers"):
+        options["dataloader_num_workers"] = spec["workers"]
     if spec.get("gpu") and torch.cuda.is_available():  # tests/test_nccl_faults.py: NCCL, one GPU per rank
         options.update(use_cpu=False, attn_backend="sdpa_segments")
     if "use_cpu" in spec:  # use_cpu=False on a CPU-only machine: launch.resolve_use_cpu still forms one job
@@ -180,6 +199,8 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
         processing_class=tiny_tokenizer(),
     )  # fmt: skip
     trainer.add_callback(StepHooks(spec))
+    if spec.get("worker_marks"):
+        trainer.worker_init_fn = functools.partial(mark_worker, spec["worker_marks"])
     fault = spec.get("fault") or {}
     if fault.get("kind") == "save":
         install_save_fault(fault, trainer)

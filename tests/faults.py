@@ -49,9 +49,18 @@ def worker_env(rank: int = 0, world_size: int = 1, port: int | None = None, gpu:
 
 
 def launch(
-    runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1, extra_env: dict[str, str] | None = None
+    runs: list[dict[str, Any]],
+    log_dir: Path,
+    world_size: int = 1,
+    extra_env: dict[str, str] | None = None,
+    *,
+    session: bool = False,
 ) -> list[subprocess.Popen]:
-    """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes."""
+    """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes.
+
+    ``session``: each in a session (and process group) of its own, as a shell job or a batch step, so that a test can
+    signal the whole group (``os.killpg``) without signalling itself.
+    """
     config = json.dumps({"runs": runs})
     port = free_port()
     gpu = any(run.get("gpu") for run in runs)
@@ -65,9 +74,21 @@ def launch(
                 cwd=ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=session,
             )
         )
     return procs
+
+
+def launch_torchrun(runs: list[dict[str, Any]], log_dir: Path, nproc: int) -> subprocess.Popen:
+    """Starts the worker under ``torchrun --nproc_per_node nproc`` (in a session of its own); returns the launcher."""
+    config = json.dumps({"runs": runs})
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    command += ["--master_port", str(free_port()), str(WORKER), config]
+    log = open(log_dir / "rank0.log", "w")  # noqa: SIM115 - closed when the process is reaped
+    return subprocess.Popen(
+        command, env=worker_env(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:

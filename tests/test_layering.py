@@ -35,7 +35,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("demo",),
     ("integrity",),
     ("config",),
-    ("version", "atomic"),
+    ("version", "atomic", "stop_signals"),
     ("errors",),
 )
 """Top to bottom: a module may import its own layer's package and the layers below it, never one above."""

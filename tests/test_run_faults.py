@@ -34,6 +34,7 @@ from pair_dpo_trainer.fault_tolerance.lock import (
     process_start_ticks,
     release_output_dir,
 )
+from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_MARKER
 from tests.ds_worker import full_parameters
 from tests.fault_worker import build
 from tests.faults import (
@@ -41,6 +42,7 @@ from tests.faults import (
     final_state,
     kill_all,
     launch,
+    launch_torchrun,
     logs,
     outcome,
     run_spec,
@@ -359,6 +361,67 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equ
     straight = run_spec(tmp_path, "straight", max_steps=12, save_steps=100)
     assert run_to_end([resume, straight], tmp_path / "run", world_size=2) == [0, 0], logs(tmp_path / "run")
     assert_same_parameters(final_state(straight)["params"], final_state(resume)["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("sig", "workers"), [(signal.SIGTERM, 2), (signal.SIGINT, 1)], ids=["sigterm", "ctrl_c"])
+def test_a_group_signal_with_dataloader_workers_saves_exits_75_and_resume_equals_the_uninterrupted_run(
+    tmp_path, sig, workers
+):
+    """``kill -TERM -PGID`` (twice, as schedulers repeat it) or Ctrl-C (SIGINT to the foreground group) also reaches
+    the DataLoader workers: they must outlive it, so the run finishes the step, saves and exits 75; the trainer's
+    ``worker_init_fn`` (a user's) still runs in every worker."""
+    marks = tmp_path / "marks"
+    spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4, workers=workers)
+    spec["worker_marks"] = str(marks)
+    procs = launch([spec], tmp_path / "run", session=True)
+    try:
+        wait_for_progress(spec, 0, 2, procs, timeout=200)
+        os.killpg(procs[0].pid, sig)
+        if sig == signal.SIGTERM:
+            time.sleep(0.2)
+            os.killpg(procs[0].pid, sig)
+        codes = wait(procs, 200)
+    finally:
+        kill_all(procs)
+    assert codes == [PREEMPTED_EXIT_CODE], logs(tmp_path / "run")
+    assert outcome(spec)["reason_code"] == "preempted"
+    (step, checkpoint), *_ = list_checkpoints(spec["out"])
+    assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
+    marker = json.loads((Path(spec["out"]) / PREEMPTED_MARKER).read_text())
+    assert marker["step"] == step and marker["signal"] == signal.Signals(sig).name and marker["exit_code"] == 75
+    assert not (Path(spec["out"]) / LOCK_FILENAME).exists()
+    assert len(list(marks.iterdir())) >= workers  # the user's worker_init_fn ran in each worker
+    resumed = build({**spec, "step_sleep": 0, "worker_marks": None})
+    resumed.train(resume_from_checkpoint="latest")
+    assert not (Path(spec["out"]) / PREEMPTED_MARKER).exists()  # a run that takes the output_dir clears it
+    straight = build(run_spec(tmp_path, "straight", max_steps=12, save_steps=100))
+    straight.train()
+    assert_same_parameters(full_parameters(straight.model), full_parameters(resumed.model))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_sigterm_to_torchrun_with_dataloader_workers_stops_every_rank_with_75_and_a_complete_checkpoint(tmp_path):
+    """torchrun forwards SIGTERM to each rank's whole process group (``killpg``): the workers must outlive it. torchrun
+    itself exits 1, so the marker file is what tells a requeue script that the run was preempted. (That the resumed
+    run equals the uninterrupted one: with workers on one rank above, on two ranks without workers below.)"""
+    spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4, workers=1, ddp_timeout=60)
+    launcher = launch_torchrun([spec], tmp_path / "run", nproc=2)
+    try:
+        wait_for_progress(spec, 1, 2, [launcher], timeout=300)
+        launcher.send_signal(signal.SIGTERM)
+        (code,) = wait([launcher], 200)
+    finally:
+        kill_all([launcher])
+    assert code == 1, logs(tmp_path / "run")  # torchrun's own exit code after a signal, whatever the ranks return
+    assert [outcome(spec, rank)["code"] for rank in (0, 1)] == [PREEMPTED_EXIT_CODE] * 2, logs(tmp_path / "run")
+    (step, checkpoint), *_ = list_checkpoints(spec["out"])
+    assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
+    assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])
+    marker = json.loads((Path(spec["out"]) / PREEMPTED_MARKER).read_text())
+    assert marker["checkpoint"] == str(checkpoint) and marker["exit_code"] == 75
+    assert not (Path(spec["out"]) / LOCK_FILENAME).exists()
 
 
 # ---------------------------------------------------------------------------------------------- train.py

@@ -6,6 +6,8 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
+from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
+
 # subcommand -> module that defines ``add_arguments(parser)`` and ``run(args) -> int``.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "prepare-data": ("pair_dpo_trainer.cli.prepare_data", "Normalise, tokenise and split preference data."),
@@ -30,4 +32,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``pair-dpo`` console script; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(importlib.import_module(args._module).run(args))
+    with stop_on_signal(f"pair-dpo {args.command}"):  # SIGTERM / Ctrl-C: exit 75, partial outputs removed
+        return int(importlib.import_module(args._module).run(args))

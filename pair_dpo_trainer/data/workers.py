@@ -18,6 +18,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any, TypeVar
 
 from pair_dpo_trainer.errors import FrozenException, freeze_exception, thaw_exception
+from pair_dpo_trainer.stop_signals import worker_stop_filter
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -69,7 +70,7 @@ def ordered_map(fn: Callable[[T], R], tasks: Iterable[T], *, num_proc: int) -> I
 def _pool_map(fn: Callable[[T], R], tasks: Iterator[T], num_proc: int) -> Iterator[R]:
     limit = 2 * num_proc + 2
     executor = ProcessPoolExecutor(
-        max_workers=num_proc, mp_context=_context(), initializer=_init_worker, initargs=(fn,)
+        max_workers=num_proc, mp_context=_context(), initializer=_init_worker, initargs=(fn, os.getpid())
     )
     pending: collections.deque[Future] = collections.deque()
     try:
@@ -90,8 +91,11 @@ def _context() -> Any:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _init_worker(fn: Callable[[Any], Any]) -> None:
+def _init_worker(fn: Callable[[Any], Any], main_pid: int) -> None:
+    """In a new worker: a stop signal for the job leaves it to the caller (which stops, cancels and shuts the pool
+    down: temporary files are removed), its own shutdown and its death still end the worker."""
     global _worker_fn
+    worker_stop_filter(main_pid)
     _worker_fn = fn
 
 

@@ -2,7 +2,9 @@
 
 - ``lock.py``: the exclusive output-dir lock (``output_dir_in_use``; a kernel lock held for the run's life).
 - ``collectives.py``: ``ddp_timeout`` on every process group; ``collective_timeout`` / ``peer_lost`` messages.
-- ``preemption.py``: SIGTERM -> finish the step, save, exit with :data:`PREEMPTED_EXIT_CODE`.
+- ``preemption.py``: SIGTERM / SIGINT -> finish the step (or the final write), save, exit with
+  :data:`PREEMPTED_EXIT_CODE`.
+- ``workers.py``: DataLoader workers that only their parent can stop.
 - ``checkpoint.py``: staged, fsynced, renamed checkpoints with a manifest; safe rotation; ``disk_full``.
 - ``resume.py``: ``latest`` / ``auto`` / explicit resume; ``resume_data_mismatch``.
 - ``guard.py``: :class:`RunGuard`, the trainer's one entry point to all of the above.
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_EXIT_CODE
+from pair_dpo_trainer.errors import PREEMPTED_EXIT_CODE
 
 if TYPE_CHECKING:
     from pair_dpo_trainer.fault_tolerance.guard import GuardOptions, RunGuard

@@ -25,7 +25,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from pair_dpo_trainer.errors import RunError
+from pair_dpo_trainer.errors import Preempted, RunError
 from pair_dpo_trainer.fault_tolerance.checkpoint import (
     SaveRequest,
     checkpoint_problem,
@@ -33,7 +33,13 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     save_checkpoint_atomically,
 )
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
-from pair_dpo_trainer.fault_tolerance.preemption import PreemptionHandler, TrainingPreempted
+from pair_dpo_trainer.fault_tolerance.preemption import (
+    PreemptionHandler,
+    TrainingPreempted,
+    announce,
+    clear_marker,
+    stop_process_group,
+)
 from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.parallel.collectives import (
@@ -103,27 +109,33 @@ class RunGuard:
             RunError: ``output_dir_in_use`` (on every rank), ``collective_timeout``, ``peer_lost``.
             CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``).
             ConfigError: ``unsupported_combination`` for NCCL without a collective timeout.
-            TrainingPreempted: after a SIGTERM, once the checkpoint is saved on every rank.
+            TrainingPreempted: after a stop signal in the training loop, once the checkpoint is saved on every rank.
+            Preempted: after a stop signal before the loop (nothing saved).
         """
         self.options = options
-        check_nccl_error_handling()
-        apply_collective_timeout(self.options.ddp_timeout)
-        self._lock(trainer)
-        self.resume_checkpoint = self._resolve(resume_from_checkpoint)
+        self.preemption.install()  # a stop signal raises until the training loop starts, then is recorded
         callback = _GuardCallback(self)
-        trainer.add_callback(callback)
-        self.preemption.install()
+        added = False
         try:
+            check_nccl_error_handling()
+            apply_collective_timeout(self.options.ddp_timeout)
+            self._lock(trainer)
+            if self._is_main:
+                clear_marker(self._output_dir)  # this run owns output_dir now: an earlier preemption is over
+            self.resume_checkpoint = self._resolve(resume_from_checkpoint)
+            trainer.add_callback(callback)
+            added = True
             yield self.resume_checkpoint
             self._finish(trainer)
-        except RuntimeError as exc:
-            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank)
-            if failure is None:
+        except BaseException as exc:
+            outcome = self._outcome(exc)
+            if outcome is exc:
                 raise
-            raise failure from exc
+            raise outcome from exc
         finally:
             self.preemption.restore()
-            trainer.remove_callback(callback)
+            if added:
+                trainer.remove_callback(callback)
 
     def check_schedule(self, fingerprint: str) -> None:
         """Records the train schedule's fingerprint; on resume refuses a checkpoint of another schedule.
@@ -180,6 +192,19 @@ class RunGuard:
             logger.warning("resuming from %s", resume)
         return resume
 
+    def _outcome(self, exc: BaseException) -> BaseException:
+        """What leaves ``train()`` for ``exc``: a collective's failure named (``collective_timeout`` / ``peer_lost``),
+        or ``Preempted`` when a stop signal came first (before the loop, or a failure it caused)."""
+        if isinstance(exc, RuntimeError):
+            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank)
+            exc = exc if failure is None else failure
+        outcome = self.preemption.outcome(exc)
+        if isinstance(outcome, Preempted) and not isinstance(outcome, TrainingPreempted) and self.preemption.received:
+            stop_process_group()
+            marker = {"phase": self.preemption.stopped_during, "signal": self.preemption.signal_name}
+            announce(outcome, self._output_dir, marker=marker)
+        return outcome if outcome is not None else exc
+
     def _finish(self, trainer: Any) -> None:
         """After ``Trainer.train`` returned: a SIGTERM (even one after the last step boundary) ends in
         ``TrainingPreempted`` once a checkpoint of the last step is complete."""
@@ -190,10 +215,12 @@ class RunGuard:
             return
         if all_gather_cpu(checkpoint_problem(self._checkpoint_dir(trainer)) is not None)[0]:
             trainer._save_checkpoint(trainer.model, None)  # not saved yet (e.g. save_strategy="best" skipped it)
-        preempted = TrainingPreempted(handler.stop_step, str(self._checkpoint_dir(trainer)))
-        if self._is_main:
-            logger.warning(preempted.message)
+        name = handler.signal_name if handler.received is not None else "a stop signal on another rank"
+        checkpoint = str(self._checkpoint_dir(trainer))
+        preempted = TrainingPreempted(handler.stop_step, checkpoint, name)
         end_process_group()  # the process exits with 75 next; a live gloo group can turn that into an abort
+        marker = {"phase": "training", "signal": name, "step": handler.stop_step, "checkpoint": checkpoint}
+        announce(preempted, self._output_dir, marker=marker if self._is_main else None)
         raise preempted
 
     @staticmethod
@@ -209,6 +236,7 @@ class _GuardCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         apply_collective_timeout(args.ddp_timeout)
+        self.guard.preemption.start_recording()  # the loop: finish the step, agree, save
         return control
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -218,5 +246,5 @@ class _GuardCallback(TrainerCallback):
             control.should_save = True
             control.should_training_stop = True
             if args.process_index == 0:
-                logger.warning("SIGTERM: stopping after step %d and saving a checkpoint", state.global_step)
+                logger.warning("stop signal: stopping after step %d and saving a checkpoint", state.global_step)
         return control

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
-from pair_dpo_trainer.errors import ScheduleError, freeze_exception, thaw_exception
+from pair_dpo_trainer.errors import Preempted, ScheduleError, freeze_exception, thaw_exception
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class Node:
         store = self.store if self.store is not None else _default_store()
         prefix = f"pair_dpo_trainer/once/{next(_calls)}/"
         nodes = sorted(set(all_gather_cpu(self.node_id)))
-        error: Exception | None = None
+        error: BaseException | None = None
         if self.is_local_main:
             outcome, error = _run_with_heartbeat(work, store, f"{prefix}{self.node_id}/beat")
             store.set(f"{prefix}{self.node_id}/done", pickle.dumps(outcome))
@@ -119,7 +119,7 @@ def _run_with_heartbeat(work: Callable[[], Any], store: Any, beat_key: str) -> t
     thread.start()
     try:
         return (True, work()), None
-    except Exception as exc:  # shared with the node's ranks, then raised on each
+    except (Exception, Preempted) as exc:  # shared with the node's ranks (a stop signal stops them too), then raised
         return (False, freeze_exception(exc)), exc
     finally:
         stop.set()
