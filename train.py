@@ -22,6 +22,7 @@ from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.data.splits import load_train_eval
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import clear_marker, stop_on_signal
 from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.paths import require_model_directory
@@ -162,6 +163,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     with stop_on_signal("train.py (checking the options, reading the data)", output_dir=config.output_dir):
         clear_marker(config.output_dir)  # a new run: an earlier preemption of this output_dir is over
+        follow_launcher()
         return _run(model_args, data_args, config)
 
 

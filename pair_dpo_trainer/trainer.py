@@ -36,6 +36,7 @@ from pair_dpo_trainer.data.dataset import as_pair_dataset
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
+from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
@@ -120,6 +121,7 @@ class PairDPOTrainer(Trainer):
     ) -> None:
         reject_unsupported_options(kwargs, where="PairDPOTrainer", table=TRAINER_KWARG_EQUIVALENTS)
         self.args = args  # where a stop signal's marker goes (Trainer.__init__ sets it again)
+        follow_launcher()
         if not isinstance(args, PairDPOConfig):
             raise ConfigError(
                 "bad_args",

@@ -1,14 +1,17 @@
-"""A stop signal in every phase of train.py outside its training loop: real processes, real signals.
+"""A stop signal through every documented launcher and in every phase of train.py: real launchers, real signals.
 
 Each case runs ``tests/train_hooks.py`` (train.py with a progress file, a per-step sleep and a pause inside one phase)
-under ``tests/reaper.py``, which signals it (or its whole process group) at a known point and reports the exit code
-of every process of the launch. train.py must exit 75 with no temporary directory and no lock file left, and a final
-save that was interrupted must be finished, or redone by ``--resume_from_checkpoint latest``.
+under ``tests/reaper.py``, which signals the launcher (or its whole process group) at a known point and reports the
+exit code of every process of the launch, orphans included. The training loop under a launcher must end with a
+complete checkpoint, every rank's ``[preempted]`` line and the preemption marker (what a requeue script checks where
+the launcher replaces 75 by its own code); outside the loop train.py must exit 75 with no temporary directory and no
+lock file left, and a final save that was interrupted must be redone by ``--resume_from_checkpoint latest``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,10 +20,11 @@ import pytest
 from safetensors.torch import load_file
 
 from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
-from pair_dpo_trainer.fault_tolerance.checkpoint import checkpoint_problem, list_checkpoints
+from pair_dpo_trainer.fault_tolerance.checkpoint import checkpoint_problem, list_checkpoints, read_manifest
 from pair_dpo_trainer.fault_tolerance.lock import LOCK_FILENAME
 from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_MARKER
 from tests.faults import worker_env
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 12
@@ -55,6 +59,70 @@ def _reap(tmp_path: Path, prefix: list[str], flags: list[str], *, hooks: dict, w
     report, log = json.loads((tmp_path / "report.json").read_text()), (tmp_path / "launch.log").read_text()
     assert report["signalled"], log[-4000:]
     return report, log
+
+
+def _child_code(report: dict) -> int | None:
+    """The exit code of the launcher's own child (re-parented to the reaper when the launcher died first)."""
+    return next((p["code"] for p in report["processes"] if p["parent"] == report["launcher_pid"]), None)
+
+
+def _assert_stopped_with_a_checkpoint(out: Path, log: str, ranks: int) -> None:
+    """The training loop stopped early: a complete checkpoint (every rank's), its marker, each rank's line."""
+    (step, checkpoint), *_ = list_checkpoints(out)
+    assert 1 <= step < STEPS and checkpoint_problem(checkpoint) is None, log[-4000:]
+    assert {f"rng_state_{r}.pth" for r in range(ranks) if ranks > 1} <= set(read_manifest(checkpoint)["files"])
+    marker = json.loads((out / PREEMPTED_MARKER).read_text())
+    assert marker["checkpoint"] == str(checkpoint) and marker["exit_code"] == 75 and marker["signal"] == "SIGTERM"
+    for rank in range(ranks):  # a rank the signal did not reach stops with the others at the same step
+        assert re.search(rf"pair_dpo: rank {rank}: \[preempted\] [^:]+: stopped after optimizer step {step} ", log), log
+    assert "is killed by signal" not in log  # no DataLoader worker died of the job's signal
+    assert not (out / LOCK_FILENAME).exists()
+
+
+# ---------------------------------------------------------------------------------------------- launchers
+@pytest.mark.slow
+def test_accelerate_launch_with_one_process_passes_sigterm_on_when_its_launcher_dies(tmp_path, pairs_file):
+    """accelerate's single-process launcher forwards nothing and dies 143: the run follows it (a SIGTERM when its
+    parent dies), saves and exits 75 itself, which is what the orphan's reaper sees."""
+    out, progress = tmp_path / "out", tmp_path / "progress"
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1"]
+    prefix += ["--mixed_precision", "no", "--dynamo_backend", "no"]
+    hooks = {"progress": str(progress), "step_sleep": 0.5}
+    report, log = _reap(tmp_path, prefix, _flags(out, pairs_file), hooks=hooks, wait_for=progress, target="launcher")
+    assert report["launcher"] == -15, report  # the launcher: killed by the signal, as before
+    assert _child_code(report) == 75, report  # the orphaned run itself
+    assert "accelerate launch with one process does not pass SIGTERM on to the training processes" in log
+    _assert_stopped_with_a_checkpoint(out, log, ranks=1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_accelerate_launch_with_two_processes_stops_every_rank_with_a_checkpoint(tmp_path, pairs_file):
+    """``cpu_2proc.yaml``: accelerate runs torchrun in-process (SIGTERM to each rank's group) and exits 1."""
+    out, progress = tmp_path / "out", tmp_path / "progress"
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+    prefix += [str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"), "--main_process_port", str(free_port())]
+    hooks = {"progress": str(progress), "step_sleep": 0.5}
+    report, log = _reap(
+        tmp_path, prefix, _flags(out, pairs_file), hooks=hooks, wait_for=progress, target="launcher", lines=2
+    )
+    assert report["launcher"] == 1, report
+    _assert_stopped_with_a_checkpoint(out, log, ranks=2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_the_deepspeed_launcher_stops_every_rank_with_a_checkpoint_when_its_command_gets_sigterm(tmp_path, pairs_file):
+    """The ``deepspeed`` command forwards nothing on one node and dies 143; its ``launch.py`` lives on: the ranks
+    follow the command, stop with a checkpoint, and ``launch.py`` (re-parented) exits with their 75."""
+    out, progress = tmp_path / "out", tmp_path / "progress"
+    prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
+    hooks = {"progress": str(progress), "step_sleep": 0.5}
+    report, log = _reap(
+        tmp_path, prefix, _flags(out, pairs_file), hooks=hooks, wait_for=progress, target="launcher", lines=2
+    )
+    assert report["launcher"] == -15 and _child_code(report) == 75, report  # launch.py, re-parented
+    _assert_stopped_with_a_checkpoint(out, log, ranks=2)
 
 
 # ---------------------------------------------------------------------------------------------- phases of train.py

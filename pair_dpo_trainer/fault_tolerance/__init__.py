@@ -4,6 +4,7 @@
 - ``collectives.py``: ``ddp_timeout`` on every process group; ``collective_timeout`` / ``peer_lost`` messages.
 - ``preemption.py``: SIGTERM / SIGINT -> finish the step (or the final write), save, exit with
   :data:`PREEMPTED_EXIT_CODE`.
+- ``launcher.py``: launchers that pass no stop signal on (accelerate's single-process launcher, ``deepspeed``).
 - ``workers.py``: DataLoader workers that only their parent can stop.
 - ``checkpoint.py``: staged, fsynced, renamed checkpoints with a manifest; safe rotation; ``disk_full``.
 - ``resume.py``: ``latest`` / ``auto`` / explicit resume; ``resume_data_mismatch``.

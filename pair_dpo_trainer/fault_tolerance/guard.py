@@ -32,6 +32,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     clear_leftovers,
     save_checkpoint_atomically,
 )
+from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import (
     PreemptionHandler,
@@ -114,6 +115,7 @@ class RunGuard:
         """
         self.options = options
         self.preemption.install()  # a stop signal raises until the training loop starts, then is recorded
+        follow_launcher()
         callback = _GuardCallback(self)
         added = False
         try:
