@@ -6,6 +6,9 @@ PID namespaces (``unshare --pid --fork --mount-proc``) and kill the holder for r
   descriptors) and writes that child's pid into READY's second line.
 - ``python tests/lock_holder.py try DIR``: tries once and prints one JSON line: ``outcome`` (``acquired`` /
   ``refused``), ``warning`` or ``reason_code`` and ``message``, and its own ``pid`` and ``pid_namespace``.
+
+With ``LOCK_HOLDER_START_AT`` (seconds since the epoch) set, either waits until then before it takes the lock, so
+two processes can race for it at the same instant.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir  # noqa: E4
 def main() -> None:
     mode, directory = sys.argv[1], sys.argv[2]
     namespace = os.readlink("/proc/self/ns/pid")
+    time.sleep(max(float(os.environ.get("LOCK_HOLDER_START_AT", 0)) - time.time(), 0))
     if mode == "hold":
         acquire_output_dir(directory)
         child = os.fork() if sys.argv[4:] == ["fork"] else None

@@ -159,6 +159,31 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def test_two_runs_starting_at_the_same_instant_get_one_lock(tmp_path):
+    out, start = tmp_path / "out", time.time() + 2  # both processes are up by then, and race for the lock
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCK_HOLDER_START_AT": str(start)}
+    procs = [
+        subprocess.Popen(
+            [*LOCK_HOLDER, "hold", str(out), str(tmp_path / f"{i}.ready")], env=env, stderr=subprocess.PIPE
+        )
+        for i in range(2)
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while sum(p.poll() is not None or (tmp_path / f"{i}.ready").exists() for i, p in enumerate(procs)) < 2:
+            assert time.monotonic() < deadline, "the lock holders did not start"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        holders = [i for i, p in enumerate(procs) if p.poll() is None]
+        assert len(holders) == 1 and [p.returncode for p in procs if p.poll() is not None] == [1]
+        (refused,) = [p.stderr.read().decode() for p in procs if p.poll() is not None]
+        assert "output_dir_in_use" in refused and "kernel lock" in refused
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(30)
+
+
 def _unshare_refusal() -> str | None:
     """Why this machine cannot run a process in a new PID namespace (None: it can)."""
     if shutil.which("unshare") is None:
