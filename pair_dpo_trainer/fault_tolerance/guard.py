@@ -115,10 +115,10 @@ class RunGuard:
         """
         self.options = options
         self.preemption.install()  # a stop signal raises until the training loop starts, then is recorded
-        follow_launcher()
         callback = _GuardCallback(self)
         added = False
         try:
+            follow_launcher()
             check_nccl_error_handling()
             apply_collective_timeout(self.options.ddp_timeout)
             self._lock(trainer)

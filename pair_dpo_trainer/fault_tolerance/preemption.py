@@ -172,13 +172,13 @@ class PreemptionHandler(StopHandler):
     """
 
     def __init__(self) -> None:
-        super().__init__("the start of training (lock, resume, reference, model set-up)", mode="raise")
+        super().__init__("the start of training", mode="raise")
         self.stop_step: int | None = None
 
     def install(self) -> bool:
         self.received = None
         self.stop_step = None
-        self.mode = "raise"
+        self.mode, self.phase = "raise", "the start of training (lock, resume, reference, model set-up)"
         installed = super().install()
         if not installed:
             logger.warning("train() runs outside the main thread: a stop signal will not save a checkpoint before exit")
