@@ -1,11 +1,13 @@
-"""A stop signal through every documented launcher and in every phase of train.py: real launchers, real signals.
+"""A stop signal through every documented launcher, in every phase of train.py and in ``pair-dpo prepare-data``: real
+launchers, real signals.
 
 Each case runs ``tests/train_hooks.py`` (train.py with a progress file, a per-step sleep and a pause inside one phase)
 under ``tests/reaper.py``, which signals the launcher (or its whole process group) at a known point and reports the
 exit code of every process of the launch, orphans included. The training loop under a launcher must end with a
 complete checkpoint, every rank's ``[preempted]`` line and the preemption marker (what a requeue script checks where
 the launcher replaces 75 by its own code); outside the loop train.py must exit 75 with no temporary directory and no
-lock file left, and a final save that was interrupted must be redone by ``--resume_from_checkpoint latest``.
+lock file left, a final save must be finished (or, interrupted earlier, redone by ``--resume_from_checkpoint latest``),
+and ``prepare-data`` must exit 75 without its half-written output.
 """
 
 from __future__ import annotations
@@ -46,10 +48,21 @@ def _flags(out: Path, pairs: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _reap(tmp_path: Path, prefix: list[str], flags: list[str], *, hooks: dict, wait_for: Path, target: str, lines=1):
-    """Runs ``prefix tests/train_hooks.py flags`` under the reaper; returns its report and the launch's log."""
+def _reap(
+    tmp_path: Path,
+    prefix: list[str],
+    flags: list[str],
+    *,
+    hooks: dict,
+    wait_for: Path,
+    target: str,
+    lines=1,
+    script=True,
+):
+    """Runs ``prefix tests/train_hooks.py flags`` (``prefix flags`` without ``script``) under the reaper; returns its
+    report and the launch's log."""
     spec = {
-        "command": [*prefix, str(ROOT / "tests" / "train_hooks.py"), *flags],
+        "command": [*prefix, *([str(ROOT / "tests" / "train_hooks.py")] if script else []), *flags],
         "env": {**worker_env(), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PAIR_DPO_TEST_HOOKS": json.dumps(hooks)},
         "log": str(tmp_path / "launch.log"), "wait_for": str(wait_for), "lines": lines, "signal": "TERM",
@@ -89,7 +102,7 @@ def test_accelerate_launch_with_one_process_passes_sigterm_on_when_its_launcher_
     prefix += ["--mixed_precision", "no", "--dynamo_backend", "no"]
     hooks = {"progress": str(progress), "step_sleep": 0.5}
     report, log = _reap(tmp_path, prefix, _flags(out, pairs_file), hooks=hooks, wait_for=progress, target="launcher")
-    assert report["launcher"] == -15, report  # the launcher: killed by the signal, as before
+    assert report["launcher"] == -15, report  # accelerate's launcher itself dies of the signal
     assert _child_code(report) == 75, report  # the orphaned run itself
     assert "accelerate launch with one process does not pass SIGTERM on to the training processes" in log
     _assert_stopped_with_a_checkpoint(out, log, ranks=1)
@@ -164,3 +177,31 @@ def test_sigterm_outside_the_training_loop_exits_75_and_leaves_nothing_half_done
     )  # _flags ends with the output_dir
     final, expected = load_file(out / "model.safetensors"), load_file(straight / "model.safetensors")
     assert final.keys() == expected.keys() and all(final[k].equal(expected[k]) for k in final)
+
+
+PAUSED_PREPARE = """
+import pathlib, sys, time
+from pair_dpo_trainer.data import prepare
+write_splits, pause_file = prepare.write_splits, pathlib.Path(sys.argv.pop(1))
+
+def paused(*args, **kwargs):  # the splits written into the temporary output directory, then a pause
+    result = write_splits(*args, **kwargs)
+    pause_file.write_text("paused")
+    time.sleep(60)
+    return result
+
+prepare.write_splits = paused
+from pair_dpo_trainer.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_during_prepare_data_exits_75_and_leaves_no_partial_output(tmp_path, pairs_file):
+    out, paused = tmp_path / "prepared", tmp_path / "paused"
+    command = [sys.executable, "-c", PAUSED_PREPARE, str(paused), "prepare-data", str(pairs_file), "--output", str(out)]
+    command += ["--tokenizer", str(bundled_model_dir()), "--train-size", "40", "--eval-size", "8", "--seed", "0"]
+    report = _reap(tmp_path, command[:1], command[1:], hooks={}, wait_for=paused, target="group", script=False)[0]
+    assert report["launcher"] == 75, (tmp_path / "launch.log").read_text()[-4000:]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".prepared")) == []  # no temporary output
+    assert not out.exists()
