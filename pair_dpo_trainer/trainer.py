@@ -36,6 +36,7 @@ from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
@@ -124,6 +125,7 @@ class PairDPOTrainer(Trainer):
             data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
+                score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
             ),
             train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
             eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),

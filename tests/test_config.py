@@ -52,6 +52,7 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"label_smoothing": -0.1}, "bad_label_smoothing"),
         ({"loss_type": "ipo", "label_smoothing": 0.1}, "unsupported_combination"),
         ({"loss_type": "kto"}, "unknown_loss_type"),
+        ({"loss_type": "ipo_norm"}, "unknown_loss_type"),
         ({"reference_free": True, "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
         ({"max_prompt_length": 2048, "max_length": 1024}, "bad_length"),
         ({"attn_backend": "xformers"}, "bad_attn_backend"),
@@ -171,6 +172,13 @@ def test_loss_type_lists_parse_as_trl_does_from_flags_yaml_and_strings(tmp_path)
         assert config.loss_type == ["sigmoid", "bco_pair", "sft"]
         assert config.loss_weights == [0.8, 0.2, 1.0]
     assert _config(tmp_path, loss_type="ipo").loss_type == ["ipo"]
+
+
+def test_our_earlier_objective_name_is_refused_with_trls_name(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _checked(tmp_path, loss_type="ipo_norm")
+    assert info.value.reason_code == "unknown_loss_type"
+    assert "'ipo'" in info.value.message and "'ipo_sum'" in info.value.message
 
 
 def test_reference_free_objectives_use_no_reference():
