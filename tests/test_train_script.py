@@ -84,3 +84,16 @@ def test_train_script_sets_expandable_segments_only_when_no_allocator_is_configu
     with pytest.raises(SystemExit):
         train.main([])
     assert calls == ["set", "parse"]  # before anything can initialise CUDA
+
+
+def test_plot_cli_says_what_it_wrote(tmp_path, capsys):
+    from pair_dpo_trainer.cli import main as cli_main
+
+    history = [
+        {"step": s, "loss": 0.7 - 0.1 * s, "rewards/margins": 0.1 * s, "rewards/accuracies": 0.5} for s in (1, 2)
+    ]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert cli_main(["plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pair-dpo plot: wrote {tmp_path / 'training_curves.png'} (") and out.endswith("\n")
+    assert str(tmp_path / "trainer_state.json") in out

@@ -73,7 +73,6 @@ RENAMED_LOSS_TYPES: dict[str, str] = {
 # Keyword arguments of TRL's DPOTrainer (or transformers' Trainer) that PairDPOTrainer does not take.
 TRAINER_KWARG_EQUIVALENTS: dict[str, str] = {
     "tokenizer": "processing_class=tokenizer",
-    "peft_config": "wrap the model first: model = peft.get_peft_model(model, peft_config), then pass model=",
     "quantization_config": "load the quantised model yourself (from_pretrained(DIR, quantization_config=...)) and "
     "pass model=",
     "data_collator": "none: the packed pair collator is built in; remove it",
