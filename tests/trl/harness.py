@@ -94,12 +94,13 @@ def train_trl(rows: list[dict], options: dict[str, Any], *, lora: bool = False) 
         config = DPOConfig(**_common(out, len(rows)), gradient_checkpointing=False, **options)
         datasets.disable_progress_bars()
         try:
+            adapters = {"peft_config": lora_config()} if lora else {}
             trainer = DPOTrainer(
                 model=model,
                 args=config,
                 train_dataset=datasets.Dataset.from_list(rows),
                 processing_class=tokenizer,
-                peft_config=lora_config() if lora else None,
+                **adapters,
             )
             trainer.train()
         finally:
@@ -119,13 +120,8 @@ def train_ours(rows: list[dict], options: dict[str, Any], *, lora: bool = False)
     with tempfile.TemporaryDirectory() as out:
         config = PairDPOConfig(**_common(out, len(rows)), allow_unpinned_reference=True, **options)
         printed = io.StringIO()
-        trainer = PairDPOTrainer(
-            model=model,
-            args=config,
-            train_dataset=rows,
-            processing_class=tokenizer,
-            peft_config=lora_config() if lora else None,
-        )
+        adapters = {"peft_config": lora_config()} if lora else {}
+        trainer = PairDPOTrainer(model=model, args=config, train_dataset=rows, processing_class=tokenizer, **adapters)
         with contextlib.redirect_stdout(printed):
             trainer.train()
         return _logged(trainer.state.log_history), printed.getvalue()
