@@ -4,6 +4,8 @@ A real run names both ``--model_name_or_path`` and ``--dataset``; every other op
 default unless given. With neither, it trains the bundled tiny Llama on the bundled demo preference pairs (no
 downloads) with the demo settings (``DEMO_DEFAULTS``) and writes checkpoints, ``trainer_state.json`` and
 ``training_curves.png`` into ``outputs/pair-dpo-demo``. A YAML/JSON file and the same flags give the same arguments.
+A reason-coded error is printed as one message (``PAIR_DPO_DEBUG=1`` adds the traceback); ``--help`` lists the DPO
+options first. Heavy modules (the trainer, transformers' ``Trainer``) are imported only when a run starts.
 """
 
 from __future__ import annotations
@@ -15,19 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from transformers import AutoTokenizer, HfArgumentParser
 
-from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer
-from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
-from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
-from pair_dpo_trainer.data.splits import load_train_eval
+from pair_dpo_trainer.cli import report_errors
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
-from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
-from pair_dpo_trainer.fault_tolerance.preemption import clear_marker, stop_on_signal
-from pair_dpo_trainer.losses.registry import uses_reference
-from pair_dpo_trainer.modeling.paths import require_model_directory
-from pair_dpo_trainer.parallel.collectives import end_process_group
-from pair_dpo_trainer.training.checks import check_config
+from pair_dpo_trainer.errors import ConfigError
 
 # The bundled demo run: these apply only when neither --model_name_or_path nor --dataset is given (any option given
 # overrides them). A real run gets PairDPOConfig's own defaults (docs/guide.md, "Defaults that differ from
@@ -53,6 +46,9 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "seed": 0,
 }
+LIST_FLAGS = ("--loss_type", "--loss_weights")
+"""Flags whose value may also be written comma-separated (``--loss_weights 0.8,0.2,1``): split into separate values
+before the argument parser converts each one."""
 
 
 @dataclass
@@ -80,30 +76,66 @@ class DataArguments:
     )
 
 
-ARGUMENT_CLASSES = (ModelArguments, DataArguments, PairDPOConfig)
+def argument_classes() -> tuple[type, ...]:
+    """``(ModelArguments, DataArguments, PairDPOConfig)``: the dataclasses of train.py's options."""
+    from pair_dpo_trainer.config import PairDPOConfig
+
+    return (ModelArguments, DataArguments, PairDPOConfig)
 
 
-def parse_args(argv: list[str]) -> tuple[ModelArguments, DataArguments, PairDPOConfig]:
+def __getattr__(name: str) -> Any:
+    if name == "ARGUMENT_CLASSES":  # imported on first use: the config imports transformers' TrainingArguments
+        return argument_classes()
+    raise AttributeError(f"module 'train' has no attribute {name!r}")
+
+
+def parse_args(argv: list[str]) -> tuple[Any, Any, Any]:
     """Flags, or a single YAML/JSON file of the same names; the same values give the same arguments either way.
 
     With neither a model nor a dataset this is the bundled demo: ``DEMO_DEFAULTS`` under the options given, the
     bundled model and pairs. Otherwise both are required and only the given options change ``PairDPOConfig``'s
-    defaults. TRL option names (and our old ones) raise ``unsupported_option`` naming the equivalent.
+    defaults. TRL option names (and our old ones) raise ``unsupported_option`` naming the equivalent. The config
+    records which options were given (``PairDPOConfig.options_given``).
     """
-    parser = HfArgumentParser(ARGUMENT_CLASSES)
+    from transformers import HfArgumentParser
+
+    from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
+
+    classes = argument_classes()
+    parser = HfArgumentParser(classes)
     file_values = _config_file_values(argv)
+    argv = _split_list_flags(argv) if file_values is None else argv
     given = _flag_names(argv) if file_values is None else list(file_values)
-    known = set().union(*(config_field_names(cls) for cls in ARGUMENT_CLASSES))
+    known = set().union(*(config_field_names(cls) for cls in classes))
     reject_unsupported_options(given, where="train.py", known=known)
     if file_values is not None:
         demo = _is_demo(file_values.get("model_name_or_path"), file_values.get("dataset"))
         values = {**DEMO_DEFAULTS, **file_values} if demo else file_values
-        return _with_demo_paths(parser.parse_dict(_as_flag_types(parser, values)), demo)
-    namespace, _ = parser.parse_known_args(argv)
-    demo = _is_demo(namespace.model_name_or_path, namespace.dataset)
-    if demo:
-        parser.set_defaults(**DEMO_DEFAULTS)
-    return _with_demo_paths(parser.parse_args_into_dataclasses(argv), demo)
+        parsed = _with_demo_paths(parser.parse_dict(_as_flag_types(parser, values)), demo)
+    else:
+        namespace, _ = parser.parse_known_args(argv)
+        demo = _is_demo(namespace.model_name_or_path, namespace.dataset)
+        if demo:
+            parser.set_defaults(**DEMO_DEFAULTS)
+        parsed = _with_demo_paths(parser.parse_args_into_dataclasses(argv), demo)
+    parsed[2].mark_options_given([*given, *(DEMO_DEFAULTS if demo else ())])
+    return parsed
+
+
+def _split_list_flags(argv: list[str]) -> list[str]:
+    """``--loss_weights 0.8,0.2,1`` as ``--loss_weights 0.8 0.2 1`` (and ``--loss_type`` likewise)."""
+    out: list[str] = []
+    in_list = False
+    for token in argv:
+        name, equals, value = token.partition("=")
+        if token.startswith("--"):
+            in_list = name in LIST_FLAGS
+            out.extend([name, *value.split(",")] if in_list and equals else [token])
+        elif in_list and "," in token:
+            out.extend(part for part in token.split(",") if part)
+        else:
+            out.append(token)
+    return out
 
 
 def _config_file_values(argv: list[str]) -> dict[str, Any] | None:
@@ -121,7 +153,7 @@ def _flag_names(argv: list[str]) -> list[str]:
     return [token[2:].split("=", 1)[0] for token in argv if token.startswith("--")]
 
 
-def _as_flag_types(parser: HfArgumentParser, values: dict[str, Any]) -> dict[str, Any]:
+def _as_flag_types(parser: Any, values: dict[str, Any]) -> dict[str, Any]:
     """Converts string values of a file as the same flag would be (YAML reads ``1e-6`` as a string, for one)."""
     types = {action.dest: action.type for action in parser._actions if callable(action.type)}
     return {
@@ -141,7 +173,7 @@ def _is_demo(model_name_or_path: str | None, dataset: str | None) -> bool:
     return model_name_or_path is None
 
 
-def _with_demo_paths(parsed: tuple, demo: bool) -> tuple[ModelArguments, DataArguments, PairDPOConfig]:
+def _with_demo_paths(parsed: tuple, demo: bool) -> tuple[Any, Any, Any]:
     model_args, data_args, config = parsed
     if demo:
         model_args.model_name_or_path = str(bundled_model_dir())
@@ -153,6 +185,36 @@ def _is_bundled(path: str) -> bool:
     return Path(path).resolve() == bundled_model_dir().resolve()
 
 
+def _first_sentence(text: str, width: int = 82) -> str:
+    """The help text up to its first full stop (not the one of "e.g."), cut to ``width`` characters."""
+    import re
+
+    sentence = re.split(r"(?<!e\.g)(?<!i\.e)\.\s+(?=[A-Z(])", text, maxsplit=1)[0].rstrip(".")
+    return sentence if len(sentence) <= width else sentence[: width - 3].rstrip() + "..."
+
+
+def print_help() -> None:
+    """``train.py --help``: the DPO options first (one line each), then every option. Built without importing
+    ``peft``, which transformers' ``TrainingArguments`` would import for nothing here."""
+    import dataclasses
+
+    import transformers.utils
+
+    transformers.utils.is_peft_available = lambda: False  # --help only: the process exits after printing
+    from transformers import HfArgumentParser, TrainingArguments
+
+    classes = argument_classes()
+    inherited = {f.name for f in dataclasses.fields(TrainingArguments)}
+    lines = ["pair DPO options (the TrainingArguments options follow):"]
+    for cls in classes:
+        for option in dataclasses.fields(cls):
+            if option.name in inherited and cls is not ModelArguments and cls is not DataArguments:
+                continue
+            lines.append(f"  --{option.name:<32} {_first_sentence(str(option.metadata.get('help', '')))}")
+    print("\n".join(lines) + "\n")
+    HfArgumentParser(classes).print_help()
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     """Parses the arguments and runs: a stop signal (SIGTERM, SIGINT) at any point after that exits with 75.
 
@@ -160,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     before stopping; anywhere else it stops at once, removing its temporary files (``fault_tolerance.preemption``).
     Either way ``--resume_from_checkpoint auto`` (or ``latest`` once a checkpoint exists) goes on from there.
     """
+    from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
+    from pair_dpo_trainer.fault_tolerance.preemption import clear_marker, stop_on_signal
+
     model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
     with stop_on_signal("train.py (checking the options, reading the data)", output_dir=config.output_dir):
         clear_marker(config.output_dir)  # a new run: an earlier preemption of this output_dir is over
@@ -167,7 +232,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         return _run(model_args, data_args, config)
 
 
-def _run(model_args: ModelArguments, data_args: DataArguments, config: PairDPOConfig) -> dict[str, float]:
+def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> dict[str, float]:
+    from transformers import AutoTokenizer
+
+    from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
+    from pair_dpo_trainer.data.splits import load_train_eval
+    from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
+    from pair_dpo_trainer.losses.registry import uses_reference
+    from pair_dpo_trainer.modeling.paths import require_model_directory
+    from pair_dpo_trainer.trainer import PairDPOTrainer
+    from pair_dpo_trainer.training.checks import check_config
+
     check_config(config)  # every option problem now, before the model, tokenizer or data load
     uses = uses_reference(config.loss_type, reference_free=config.reference_free)
     if _is_bundled(model_args.model_name_or_path) and uses and config.ref_model_revision is None:
@@ -195,6 +270,21 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: PairDPOCo
     return metrics
 
 
+def run(argv: list[str]) -> int:
+    """The script: ``--help``, or a run whose reason-coded error is printed as one message (exit code 1)."""
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return 0
+
+    def train_and_end() -> int:
+        from pair_dpo_trainer.parallel.collectives import end_process_group
+
+        main(argv)
+        end_process_group()  # every rank together; a gloo group alive at interpreter exit can abort the process
+        return 0
+
+    return report_errors("train.py", train_and_end)
+
+
 if __name__ == "__main__":
-    main()
-    end_process_group()  # every rank together; a gloo group alive at interpreter exit can abort the process
+    sys.exit(run(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""A TRL DPO training script, turned into pair DPO by changing 12 lines.
+"""A TRL DPO training script, turned into pair DPO by changing 11 lines.
 
 It started as the usual TRL script (``HfArgumentParser`` + TRL's ``DPOConfig`` + ``DPOTrainer``, optional LoRA through
 ``peft_config``). The diff below is the whole change (``-`` removed, ``+`` added; every other line of this file is as
@@ -13,18 +13,16 @@ it was)::
     -    parser = HfArgumentParser((ScriptArguments, DPOConfig))
     +    parser = HfArgumentParser((ScriptArguments, PairDPOConfig))
      ...
-    -        from peft import LoraConfig
-    +        from peft import LoraConfig, get_peft_model
-     ...
     -    trainer = DPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer,
     -                         peft_config=peft_config)
-    +    model = model if peft_config is None else get_peft_model(model, peft_config)  # pair DPO takes the PEFT model
-    +    trainer = PairDPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer)
+    +    trainer = PairDPOTrainer(
+    +        model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    +    )
 
-12 changed lines (5 removed, 7 added, comments included). The dataset keeps its ``prompt`` / ``chosen`` /
-``rejected`` columns and every ``DPOConfig`` flag this script uses keeps its name and meaning (``--beta``,
-``--loss_type``, ``--max_length``, ``--precompute_ref_log_probs``, ...); a TRL flag with no twin here
-(``--padding_free``, ``--max_completion_length``, ``--rpo_alpha``, ...) is refused by the parser, and
+11 changed lines (4 removed, 7 added, comments included; the formatter split the new call). The dataset keeps its
+``prompt`` / ``chosen`` / ``rejected`` columns and every ``DPOConfig`` flag this script uses keeps its name and
+meaning (``--beta``, ``--loss_type``, ``--max_length``, ``--precompute_ref_log_probs``, ...); a TRL flag with no
+twin here (``--padding_free``, ``--max_completion_length``, ``--rpo_alpha``, ...) is refused by the parser, and
 ``PairDPOConfig(padding_free=True)`` raises ``unsupported_option`` naming the equivalent. ``ref_model_revision`` is
 the 40-hex commit the model directory was downloaded at, or what ``pair-dpo pin DIR`` printed for a directory you
 saved yourself; the run verifies the directory against it before loading. docs/migrating_from_trl.md lists every
@@ -86,12 +84,13 @@ def main(argv: list[str] | None = None) -> None:
     dataset = load_dataset("json", data_files=script_args.dataset_name, split="train")
     peft_config = None
     if script_args.use_peft:
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig
 
         peft_config = LoraConfig(r=script_args.lora_r, lora_alpha=script_args.lora_alpha, target_modules="all-linear")
 
-    model = model if peft_config is None else get_peft_model(model, peft_config)  # pair DPO takes the PEFT model
-    trainer = PairDPOTrainer(model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer)
+    trainer = PairDPOTrainer(
+        model=model, args=training_args, train_dataset=dataset, processing_class=tokenizer, peft_config=peft_config
+    )
     trainer.train()
     trainer.save_model(training_args.output_dir)
     trainer.save_state()

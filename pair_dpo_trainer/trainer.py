@@ -26,13 +26,14 @@ import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
-from pair_dpo_trainer.data.dataset import as_pair_dataset
+from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, prepared_limits
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
@@ -40,10 +41,12 @@ from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
 from pair_dpo_trainer.modeling.paths import require_model_directory
+from pair_dpo_trainer.modeling.peft import wrap_with_peft
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
 from pair_dpo_trainer.parallel.fsdp2 import (
@@ -56,6 +59,7 @@ from pair_dpo_trainer.parallel.fsdp2 import (
 from pair_dpo_trainer.parallel.node import Node
 from pair_dpo_trainer.parallel.zero3 import ensure_deepspeed_comm, zero3_leaf_setup
 from pair_dpo_trainer.reference.base import Reference
+from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignored_reference_settings
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
@@ -68,8 +72,8 @@ from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget
 from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
-from pair_dpo_trainer.training.schedule import train_sampler
-from pair_dpo_trainer.training.summary import announce_run
+from pair_dpo_trainer.training.schedule import check_train_rows, train_sampler
+from pair_dpo_trainer.training.summary import RunFacts, announce_run, precision_summary
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +98,11 @@ class PairDPOTrainer(Trainer):
         train_dataset / eval_dataset: Preference rows (any shape :func:`~pair_dpo_trainer.data.normalize.normalize_row`
             accepts) or already tokenised pairs (``prompt_input_ids`` / ``chosen_input_ids`` / ``rejected_input_ids``).
         processing_class: The tokenizer (loaded from the model path when omitted).
-        ref_model: An explicit reference model (default: built from ``args``, see :mod:`pair_dpo_trainer.reference`).
+        ref_model: An explicit reference model (default: built from ``args``, see :mod:`pair_dpo_trainer.reference`);
+            ignored (and named in the run summary) when the run builds no reference.
+        peft_config: A ``peft.PeftConfig``: the policy is wrapped in its adapters as TRL does
+            (:func:`~pair_dpo_trainer.modeling.peft.wrap_with_peft`); the reference is then the policy with its
+            adapters disabled.
         **kwargs: Passed to ``transformers.Trainer`` (callbacks, optimizers, ...).
 
     A stop signal (SIGTERM, SIGINT) while the constructor loads and tokenises, in ``evaluate()`` or in ``train()``
@@ -117,6 +125,7 @@ class PairDPOTrainer(Trainer):
         eval_dataset: Any = None,
         processing_class: Any = None,
         ref_model: PreTrainedModel | None = None,
+        peft_config: Any = None,
         **kwargs: Any,
     ) -> None:
         reject_unsupported_options(kwargs, where="PairDPOTrainer", table=TRAINER_KWARG_EQUIVALENTS)
@@ -129,11 +138,19 @@ class PairDPOTrainer(Trainer):
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
         check_config(args)  # every feature's option checks, before anything is loaded
+        _check_before_loading(model, args, train_dataset, eval_dataset)
+        self.ignored_reference = ignored_reference_settings(args, ref_model_given=ref_model is not None)
+        ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
         model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
+        if peft_config is not None:
+            model = _with_peft(model, peft_config, args)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
+        self.renderings: dict[str, str] = {}  # dataset -> how its rows became tokens (run summary)
+        train_pairs = self._pairs(train_dataset, processing_class, args, "train dataset")
+        eval_pairs = self._pairs(eval_dataset, processing_class, args, "eval dataset")
         super().__init__(
             model=model,
             args=args,
@@ -141,9 +158,10 @@ class PairDPOTrainer(Trainer):
                 pad_token_id=processing_class.pad_token_id or 0,
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
                 pad_to_multiple_of=None if args.pad_to_budget else fp8_pad_multiple(args.fp8),
+                score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
             ),
-            train_dataset=self._pairs(train_dataset, processing_class, args, "train dataset"),
-            eval_dataset=self._pairs(eval_dataset, processing_class, args, "eval dataset"),
+            train_dataset=train_pairs,
+            eval_dataset=eval_pairs,
             processing_class=processing_class,
             **kwargs,
         )
@@ -152,15 +170,7 @@ class PairDPOTrainer(Trainer):
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
         peft = is_peft_model(model)
         self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3, peft=peft)
-        self.reference_manager = ReferenceManager(  # builds the reference now unless DeepSpeed / precompute (lazy)
-            args,
-            model,
-            source=self.reference_source,
-            ref_model=ref_model,
-            deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
-            mixed_precision=str(self.accelerator.mixed_precision),
-            fsdp_plugin=self.fsdp_plugin,
-        )
+        self.reference_manager = self._reference_manager(model, ref_model, ds_plugin)
         self.run_guard = RunGuard()  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
@@ -174,6 +184,18 @@ class PairDPOTrainer(Trainer):
             self.add_callback(Fp8ScaleCallback(self.model))  # float8 all-gather: the next step's scales at once
         if args.torch_compile:
             self._take_over_compile()
+
+    def _reference_manager(self, model: Any, ref_model: Any, ds_plugin: Any) -> ReferenceManager:
+        """The run's reference manager: builds the reference now unless DeepSpeed / precompute (then lazily)."""
+        return ReferenceManager(
+            self.args,
+            model,
+            source=self.reference_source,
+            ref_model=ref_model,
+            deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
+            mixed_precision=str(self.accelerator.mixed_precision),
+            fsdp_plugin=self.fsdp_plugin,
+        )
 
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator, then FSDP2 as asked (``parallel.fsdp2.setup_fsdp2``): installed where Accelerate
@@ -196,11 +218,11 @@ class PairDPOTrainer(Trainer):
             **self._given,
         )
 
-    @staticmethod
-    def _pairs(dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
+    def _pairs(self, dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
+        """The tokenised pairs of one dataset argument; records how its rows were rendered."""
         if dataset is None:
             return None
-        return as_pair_dataset(
+        pairs, renderings = pair_dataset_and_rendering(
             dataset,
             tokenizer,
             max_length=args.max_length,
@@ -211,7 +233,10 @@ class PairDPOTrainer(Trainer):
             num_proc=resolve_num_proc(args.dataset_num_proc),
             cache_dir=args.dataset_cache_dir,
             once=Node.from_args(args).once,  # tokenised by each node's local main, memory-mapped by the others
+            apply_chat_template_to_strings=args.apply_chat_template_to_strings,
         )
+        self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
+        return pairs
 
     # ------------------------------------------------------------------ reference
     @property
@@ -242,15 +267,28 @@ class PairDPOTrainer(Trainer):
                 self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
             self._prepare_layers(training=True)
             if self.is_world_process_zero():
-                announce_run(
-                    self.args,
-                    attn_backend=self.attn_backend,
-                    source=self.reference_source,
-                    zero3_leaf_classes=self.zero3_leaf_classes,
-                    fsdp2=self.fsdp_plugin is not None,
-                    layers=self.layer_plan,
-                )
+                announce_run(self.args, self._run_facts())
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
+
+    def _run_facts(self) -> RunFacts:
+        """What the run summary reports besides the config (``training.summary``)."""
+        parameter = next(self.model.parameters(), None)
+        precision = precision_summary(
+            str(self.accelerator.mixed_precision),
+            device_type=self.args.device.type,
+            param_dtype=None if parameter is None else parameter.dtype,
+        )
+        return RunFacts(
+            attn_backend=self.attn_backend,
+            source=self.reference_source,
+            zero3_leaf_classes=self.zero3_leaf_classes,
+            fsdp2=self.fsdp_plugin is not None,
+            precision=precision,
+            renderings=self.renderings,
+            peft_reference=adapter_disabled_reference(self.args, **self._given),
+            ignored_reference=self.ignored_reference,
+            layers=self.layer_plan,
+        )
 
     @stops_on_signal("evaluation")
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:
@@ -499,6 +537,25 @@ class PairDPOTrainer(Trainer):
             train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
             logs.update(train_metrics)
         super().log(logs, start_time)
+
+
+def _check_before_loading(model: Any, args: PairDPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
+    """What needs no model: a prepared dataset's limits replace default ones (the user set neither), the policy path
+    exists, and the train rows fill one step (``too_few_pairs`` from the row count)."""
+    limits = prepared_limits([train_dataset, eval_dataset])
+    if limits is not None and not args.limits_given():
+        args.max_length, args.max_prompt_length = limits
+        logger.info("max_length=%d, max_prompt_length=%d: the prepared dataset's limits", *limits)
+    if isinstance(model, (str, Path)):  # named first: a mistyped path is not reported as too few pairs
+        require_model_directory(str(model), role="policy", option="model", code="model_not_found")
+    check_train_rows(train_dataset, args)
+
+
+def _with_peft(model: PreTrainedModel, peft_config: Any, args: PairDPOConfig) -> PreTrainedModel:
+    """The policy wrapped in ``peft_config``'s adapters, as TRL wraps it (``modeling.peft.wrap_with_peft``)."""
+    checkpointing, zero3 = bool(args.gradient_checkpointing), is_deepspeed_zero3_enabled()
+    wrapped = wrap_with_peft(model, peft_config, gradient_checkpointing=checkpointing, zero3=zero3, seed=args.seed)
+    return cast(PreTrainedModel, wrapped)
 
 
 def _load_policy(

@@ -46,7 +46,10 @@ OBJECTIVE_TRAINING = {"optim": "sgd", "learning_rate": 2e-2}
 first steps are sign-like and turn fp noise in near-zero gradients into visible parameter differences)."""
 
 OBJECTIVE_RUNS: dict[str, dict] = {
-    **{name: {"loss_type": name} for name in ("sigmoid", "hinge", "ipo", "ipo_norm", "nca_pair", "bco_pair")},
+    **{
+        name: {"loss_type": name}
+        for name in ("sigmoid", "hinge", "ipo", "ipo_sum", "nca_pair", "bco_pair", "bco_pair_shift")
+    },
     **{name: {"loss_type": name} for name in ("sppo_hard", "aot_unpaired", "apo_zero", "apo_down")},
     "aot": {"loss_type": "aot", "pairs": "equal_lengths"},
     **{name: {"loss_type": name} for name in ("discopop", "sigmoid_norm", "sigmoid_nll", "sft", "simpo", "orpo")},
@@ -56,7 +59,7 @@ OBJECTIVE_RUNS: dict[str, dict] = {
     "mpo": {"loss_type": ["sigmoid", "bco_pair", "sft"], "loss_weights": [0.8, 0.2, 1.0]},
     "wpo": {"loss_type": "sigmoid", "use_weighting": True},
     "ld_dpo": {"loss_type": "sigmoid", "ld_alpha": 0.3},
-    "f_js": {"loss_type": ["sigmoid", "ipo_norm"], "f_divergence_type": "js_divergence"},
+    "f_js": {"loss_type": ["sigmoid", "ipo"], "f_divergence_type": "js_divergence"},
     "f_alpha": {"loss_type": "hinge", "f_divergence_type": "alpha_divergence", "f_alpha_divergence_coef": 0.3},
     "tr_dpo": {"loss_type": "sigmoid", "sync_ref_model": True, "ref_model_sync_steps": 1},
 }

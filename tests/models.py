@@ -6,6 +6,8 @@
   attention and log-prob tests, whose differences must stand out of float32 noise.
 - :func:`other_architecture_llama`: one layer of other sizes: a reference the policy cannot be mixed with.
 - :func:`llama_100m`: a 100M-parameter Llama in bf16 on CUDA, for the GPU tests.
+- :func:`demo_llama`: the bundled tiny Llama (4 layers, vocabulary 142) with its tokenizer and chat template, for the
+  TRL parity suite (``tests/trl``), with :func:`lora_config`.
 """
 
 from __future__ import annotations
@@ -94,3 +96,22 @@ def llama_100m() -> LlamaForCausalLM:
     model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16)
     model.set_attn_implementation("sdpa")
     return model
+
+
+def demo_llama() -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
+    """The bundled demo model (float32) and its tokenizer (with a chat template), loaded from the package."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pair_dpo_trainer.demo import bundled_model_dir
+
+    directory = bundled_model_dir()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        directory
+    )
+
+
+def lora_config():
+    """LoRA on ``q_proj`` / ``v_proj`` (rank 4, no dropout): the adapters the parity suite trains. Needs ``peft``."""
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])

@@ -47,7 +47,7 @@ def _nested(depth: int) -> str:
 
 
 def _deep_row(depth: int, field: str = "chosen") -> str:
-    row = {"prompt": "p", "chosen": "1 2 3", "rejected": "1 3 2"}
+    row = {"prompt": "p", "chosen": " 1 2 3", "rejected": " 1 3 2"}  # raw text: "p" stays a token of its own
     text = json.dumps({**row, field: "@"})
     return text.replace('"@"', _nested(depth))
 
@@ -75,8 +75,9 @@ def _verdicts(rows, tok) -> list[str]:
 
 def test_a_lone_surrogate_fails_the_trainer_closed_with_bad_text(tmp_path, tok):
     rows = [*generate_demo_pairs(seed=1, n=3), json.loads(SURROGATE_TOP)]
+    args = cpu_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     with pytest.raises(PreferenceRowError) as info:
-        PairDPOTrainer(model=tiny_llama(0), args=cpu_config(tmp_path), train_dataset=rows, processing_class=tok)
+        PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=rows, processing_class=tok)
     assert info.value.reason_code == "bad_text"
     assert "train dataset row 3" in info.value.message and "'\\ud800'" in info.value.message
 
@@ -86,8 +87,9 @@ def test_deep_nesting_fails_the_trainer_closed_with_bad_json(tmp_path, tok):
     for _ in range(50_000):  # far past Python's recursion limit; checked without recursion
         deep = [deep]
     rows = [*generate_demo_pairs(seed=1, n=3), {**GOOD, "meta": deep}]
+    args = cpu_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
     with pytest.raises(PreferenceRowError) as info:
-        PairDPOTrainer(model=tiny_llama(0), args=cpu_config(tmp_path), train_dataset=rows, processing_class=tok)
+        PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=rows, processing_class=tok)
     assert info.value.reason_code == "bad_json" and "train dataset row 3" in info.value.message
 
 
@@ -170,8 +172,9 @@ def test_a_parquet_row_that_does_not_decode_is_bad_text(tmp_path, tok):
     result = tokenize_dataset(rows, tok, max_length=64, max_prompt_length=32, desc="rows.parquet", first_row=1)
     assert result.row_indices == [0, 2] and result.rejections == Counter(bad_text=1)
     assert result.first_rejection.startswith("[bad_text] rows.parquet row 2: its text is not valid UTF-8")
+    args = cpu_config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=1)
     with pytest.raises(PreferenceRowError) as info:
-        PairDPOTrainer(model=tiny_llama(0), args=cpu_config(tmp_path), train_dataset=rows, processing_class=tok)
+        PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=rows, processing_class=tok)
     assert info.value.reason_code == "bad_text"
 
 

@@ -52,7 +52,6 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"label_smoothing": -0.1}, "bad_label_smoothing"),
         ({"loss_type": "ipo", "label_smoothing": 0.1}, "unsupported_combination"),
         ({"loss_type": "kto"}, "unknown_loss_type"),
-        ({"reference_free": True, "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
         ({"max_prompt_length": 2048, "max_length": 1024}, "bad_length"),
         ({"attn_backend": "xformers"}, "bad_attn_backend"),
         ({"nll_weight": -1.0}, "bad_nll_weight"),
@@ -82,7 +81,7 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"use_weighting": True, "loss_type": "aot"}, "unsupported_combination"),
         ({"sync_ref_model": True, "loss_type": "simpo"}, "unsupported_combination"),
         ({"sync_ref_model": True, "precompute_ref_log_probs": True}, "unsupported_combination"),
-        ({"loss_type": "simpo", "ref_model_name_or_path": "/models/ref"}, "reference_conflict"),
+        ({"loss_type": "ipo_norm"}, "unknown_loss_type"),
         ({"precompute_ref_log_probs": True, "loss_type": ["orpo", "sft"]}, "unsupported_combination"),
         ({"max_tokens_per_microbatch": 0}, "bad_length"),
         ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
@@ -171,6 +170,51 @@ def test_loss_type_lists_parse_as_trl_does_from_flags_yaml_and_strings(tmp_path)
         assert config.loss_type == ["sigmoid", "bco_pair", "sft"]
         assert config.loss_weights == [0.8, 0.2, 1.0]
     assert _config(tmp_path, loss_type="ipo").loss_type == ["ipo"]
+    (comma,) = parser.parse_args_into_dataclasses([*base, "--loss_type", "sigmoid,sft"])  # argparse: ['sigmoid,sft']
+    assert comma.loss_type == ["sigmoid", "sft"]
+    check_config(comma)
+
+
+def test_our_earlier_objective_name_is_refused_with_trls_name(tmp_path):
+    with pytest.raises(ConfigError) as info:
+        _checked(tmp_path, loss_type="ipo_norm")
+    assert info.value.reason_code == "unknown_loss_type"
+    assert "'ipo'" in info.value.message and "'ipo_sum'" in info.value.message
+
+
+def test_a_reference_free_run_ignores_the_reference_settings(tmp_path):
+    """Switching to a reference-free run is one option: the reference settings left set are ignored (the run
+    summary names them), never refused."""
+    from pair_dpo_trainer.reference.checks import ignored_reference_settings
+
+    revision = "a" * 40
+    for options in ({"reference_free": True}, {"loss_type": "simpo"}, {"loss_type": ["orpo", "sft"]}):
+        config = _checked(tmp_path, ref_model_revision=revision, ref_model_name_or_path="/models/ref", **options)
+        assert ignored_reference_settings(config) == ["ref_model_name_or_path", "ref_model_revision"]
+    assert ignored_reference_settings(_checked(tmp_path, ref_model_revision=revision)) == []
+
+
+@pytest.mark.parametrize(
+    "options,env,fails",
+    [
+        ({"bf16": False}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, True),
+        ({"fp16": True}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, True),
+        ({"bf16": True}, {"ACCELERATE_MIXED_PRECISION": "fp16"}, True),
+        ({}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, False),
+        ({"bf16": False}, {"ACCELERATE_MIXED_PRECISION": "no"}, False),
+    ],
+)
+def test_a_precision_that_contradicts_the_launcher_is_refused_before_anything_loads(
+    tmp_path, monkeypatch, options, env, fails
+):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    if not fails:
+        assert launch.precision_problem(options.get("bf16"), fp16=options.get("fp16", False), env=env) is None
+        return
+    with pytest.raises(ConfigError) as info:
+        PairDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", **options)
+    assert info.value.reason_code == "precision_mismatch" and "mixed_precision" in info.value.message
 
 
 def test_reference_free_objectives_use_no_reference():
@@ -240,6 +284,7 @@ def test_dpo_defaults(tmp_path):
         (None, True, False, {}, True, False),  # fp16 asked for
         (None, False, False, {"ACCELERATE_MIXED_PRECISION": "fp16"}, True, False),  # accelerate config says fp16
         (None, False, False, {"ACCELERATE_MIXED_PRECISION": "bf16"}, True, True),
+        (None, False, True, {"ACCELERATE_MIXED_PRECISION": "bf16"}, False, True),  # the launcher's bf16, on CPU too
         (None, False, False, {"ACCELERATE_MIXED_PRECISION": "no"}, True, True),  # accelerate's default, not a choice
         (False, False, False, {}, True, False),  # explicit values win
         (True, False, True, {}, False, True),

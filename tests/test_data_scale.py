@@ -45,7 +45,7 @@ from tests.models import tiny_llama
 from tests.ports import free_port
 
 LIMITS = {"max_length": 128, "max_prompt_length": 64, "max_tokens_per_microbatch": None}
-BAD_ROWS = {300: {"prompt": "x"}, 520: {"prompt": "x", "chosen": "1", "rejected": "1"}, 700: ["not", "a", "row"]}
+BAD_ROWS = {300: {"prompt": "x"}, 520: {"prompt": "x", "chosen": " 1", "rejected": " 1"}, 700: ["not", "a", "row"]}
 
 
 @pytest.fixture(scope="module")

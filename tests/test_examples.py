@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
 SCRIPT = EXAMPLES / "existing_trainer_script.py"
 TRL_SCRIPT = EXAMPLES / "trl_dpo_script.py"
 
@@ -24,6 +25,7 @@ def _offline_env(tmp_path: Path) -> dict[str, str]:
         HF_DATASETS_CACHE=str(tmp_path / "datasets-cache"),
         TOKENIZERS_PARALLELISM="false",
         OMP_NUM_THREADS="1",
+        PYTHONPATH=str(ROOT),  # this checkout's package, whatever an installed copy is
     )
     return env
 

@@ -53,7 +53,17 @@ def test_chunked_head_statistics_cost_and_values() -> None:
     "options",
     [
         {"loss_type": name}
-        for name in ("sigmoid", "ipo", "ipo_norm", "nca_pair", "bco_pair", "sppo_hard", "aot", "aot_unpaired")
+        for name in (
+            "sigmoid",
+            "ipo",
+            "ipo_sum",
+            "nca_pair",
+            "bco_pair",
+            "bco_pair_shift",
+            "sppo_hard",
+            "aot",
+            "aot_unpaired",
+        )
         + ("apo_zero", "apo_down", "discopop", "sigmoid_norm", "sft", "simpo", "orpo", "hinge")
     ]
     + [

@@ -195,3 +195,27 @@ def test_deepspeed_launcher_runs_zero3(tmp_path, pairs_file):
     output, state = _launch(prefix, tmp_path, pairs_file, "--deepspeed", str(DS_ZERO3))
     _assert_one_two_process_job(output, state)
     assert "ZeRO-3 leaf modules LlamaDecoderLayer" in output
+
+
+def _gpu_config_on_two_cpu_processes(name: str, out: Path) -> Path:
+    """A shipped GPU config as a user runs it on a CPU machine: 2 processes, ``use_cpu``, its bf16 kept."""
+    data = yaml.safe_load((CONFIGS / name).read_text())
+    data.update(use_cpu=True, num_processes=2, main_process_ip="127.0.0.1", main_process_port=free_port())
+    path = out / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name,layout", [("zero3.yaml", "ZeRO-3 leaf modules"), ("fsdp2.yaml", "FSDP2")])
+def test_a_bf16_gpu_config_on_cpu_processes_trains_in_bf16_and_says_so(tmp_path, pairs_file, name, layout):
+    """The config's mixed_precision bf16 applies on CPU too; an unset bf16 follows it (under DeepSpeed transformers
+    would otherwise refuse the mismatch once the model is loaded), and the run summary names the precision."""
+    config = _gpu_config_on_two_cpu_processes(name, tmp_path)
+    assert yaml.safe_load(config.read_text())["mixed_precision"] == "bf16"
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    output, state = _launch(prefix, tmp_path, pairs_file)
+    _assert_one_two_process_job(output, state)
+    summary = next(line for line in output.splitlines() if line.startswith("pair_dpo: world_size="))
+    assert "precision bf16 mixed" in summary and "on CPU" in summary and layout in summary

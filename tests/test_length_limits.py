@@ -49,7 +49,7 @@ def long_rows(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        numbers = rng.sample(range(1, 99), 30)
+        numbers = rng.sample(range(1, 99), 34)
         ordered = sorted(numbers)
         swapped = [ordered[1], ordered[0], *ordered[2:]]
         rows.append(
@@ -181,7 +181,7 @@ def prepared(tmp_path_factory) -> Path:
 
 def test_manifest_records_the_tokenizer_fingerprint_and_limits(prepared, tok):
     manifest = json.loads((prepared / "manifest.json").read_text())
-    assert manifest["format"] == "pair_dpo_trainer.prepare-data/3"
+    assert manifest["format"] == "pair_dpo_trainer.prepare-data/4"
     assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(tok)
     assert (manifest["max_length"], manifest["max_prompt_length"]) == (128, 64)
 
@@ -237,6 +237,30 @@ def test_train_script_refuses_looser_limits_than_the_preparation(tmp_path, prepa
     with pytest.raises(ConfigError) as info:
         train.main([*argv, "--max_length", "512", "--max_prompt_length", "64", "--max_steps", "1"])
     assert info.value.reason_code == "limits_looser_than_prepared"
+
+
+def test_a_prepared_dir_gives_its_limits_to_a_run_that_sets_none(tmp_path, tok, prepared):
+    """Default limits (neither max_length nor max_prompt_length given) take the manifest's, so nothing is refused;
+    a limit the user set is checked as before."""
+    args = cpu_config(tmp_path)  # no limits given: 1024 / 512 by default, looser than the preparation's 128 / 64
+    assert (args.max_length, args.max_prompt_length) == (1024, 512) and not args.limits_given()
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=args, train_dataset=load_prepared(prepared, "train"), processing_class=tok
+    )
+    assert (trainer.args.max_length, trainer.args.max_prompt_length) == (128, 64)
+
+
+def test_train_script_trains_on_a_prepared_dir_with_its_limits(tmp_path, prepared):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import train  # the repository's train.py
+
+    argv = ["--dataset", str(prepared), "--output_dir", str(tmp_path / "run"), "--use_cpu", "true"]
+    argv += ["--model_name_or_path", str(bundled_model_dir()), "--max_steps", "1", "--report_to", "none"]
+    argv += ["--per_device_train_batch_size", "4", "--save_strategy", "no", "--disable_tqdm", "true"]
+    metrics = train.main(argv)
+    assert "eval_loss" in metrics
+    state = json.loads((tmp_path / "run" / "trainer_state.json").read_text())
+    assert state["global_step"] == 1
 
 
 @pytest.mark.parametrize("damage", ["no-manifest", "old-format", "no-fingerprint"])

@@ -41,6 +41,8 @@ class Pair:
     tau: float = 0.05
     gamma: float = 0.5
     delta: float = 0.0
+    pp: float = 0.0
+    npp: float = 0.0
 
     @property
     def uw(self) -> float:
@@ -55,11 +57,17 @@ class Pair:
         return self.uw - self.ul
 
 
-def _orpo(p: Pair) -> float:
-    # Hong et al. 2024 Eq. 4/6/7: odds = P / (1 - P), P = exp(mean log-prob); L = NLL/|y_w| - lambda log sigmoid(...)
-    mc, mr = p.pc / p.nc, p.pr / p.nr
-    log_odds = (mc - math.log(1 - math.exp(mc))) - (mr - math.log(1 - math.exp(mr)))
-    return -p.pc / p.nc - p.b * _log_sigmoid(log_odds)
+def _orpo_batch(pairs: list[Pair]) -> float:
+    # Hong et al. 2024 Eq. 4/6/7: odds = P / (1 - P), P = exp(mean completion log-prob); L = NLL - lambda log sigmoid(.)
+    # with TRL's ORPOTrainer NLL: one token mean over the chosen prompt (pp, npp) and completion (pc, nc) tokens, times
+    # the pair count (the trainer divides the sum by the pairs)
+    nll = -sum(p.pc + p.pp for p in pairs) / sum(p.nc + p.npp for p in pairs)
+    total = 0.0
+    for p in pairs:
+        mc, mr = p.pc / p.nc, p.pr / p.nr
+        log_odds = (mc - math.log(1 - math.exp(mc))) - (mr - math.log(1 - math.exp(mr)))
+        total += nll - p.b * _log_sigmoid(log_odds)
+    return total
 
 
 def _discopop(p: Pair) -> float:
@@ -78,12 +86,13 @@ def _exo(p: Pair) -> float:
 PER_PAIR = {
     "sigmoid": lambda p: _smoothed(p.b * p.h, p.eps),
     "robust": lambda p: (-(1 - p.eps) * _log_sigmoid(p.b * p.h) + p.eps * _log_sigmoid(-p.b * p.h)) / (1 - 2 * p.eps),
-    "ipo": lambda p: (p.h - 1 / (2 * p.b)) ** 2,
-    "ipo_norm": lambda p: (p.uw / p.nc - p.ul / p.nr - 1 / (2 * p.b)) ** 2,
+    "ipo": lambda p: (p.uw / p.nc - p.ul / p.nr - 1 / (2 * p.b)) ** 2,
+    "ipo_sum": lambda p: (p.h - 1 / (2 * p.b)) ** 2,
     "hinge": lambda p: max(0.0, 1 - p.b * p.h),
     "exo_pair": _exo,
     "nca_pair": lambda p: -_log_sigmoid(p.b * p.uw) - 0.5 * _log_sigmoid(-p.b * p.uw) - 0.5 * _log_sigmoid(-p.b * p.ul),
-    "bco_pair": lambda p: -_log_sigmoid(p.b * p.uw - p.delta) - _log_sigmoid(-(p.b * p.ul - p.delta)),
+    "bco_pair": lambda p: -_log_sigmoid(p.b * p.uw) - _log_sigmoid(-p.b * p.ul),
+    "bco_pair_shift": lambda p: -_log_sigmoid(p.b * p.uw - p.delta) - _log_sigmoid(-(p.b * p.ul - p.delta)),
     "sppo_hard": lambda p: (p.uw - 0.5 / p.b) ** 2 + (p.ul + 0.5 / p.b) ** 2,
     "apo_zero": lambda p: 1 - _sigmoid(p.b * p.uw) + _sigmoid(p.b * p.ul),
     "apo_down": lambda p: _sigmoid(p.b * p.uw) + 1 - _sigmoid(p.b * (p.uw - p.ul)),
@@ -91,7 +100,6 @@ PER_PAIR = {
     "sigmoid_norm": lambda p: -_log_sigmoid(p.b * (p.uw / p.nc - p.ul / p.nr)),
     "sigmoid_nll": lambda p: _smoothed(p.b * p.h, p.eps) - p.nll_weight * p.pc / p.nc,
     "simpo": lambda p: _smoothed(p.b * (p.pc / p.nc - p.pr / p.nr) - p.gamma, p.eps),
-    "orpo": _orpo,
 }
 """Objectives whose loss is a function of one pair alone."""
 
@@ -117,7 +125,7 @@ def _sft_batch(pairs: list[Pair]) -> float:
     return -sum(p.pc for p in pairs) / sum(p.nc for p in pairs) * len(pairs)
 
 
-BATCH = {"aot": _aot_batch, "aot_unpaired": _aot_unpaired_batch, "sft": _sft_batch}
+BATCH = {"aot": _aot_batch, "aot_unpaired": _aot_unpaired_batch, "sft": _sft_batch, "orpo": _orpo_batch}
 """Objectives whose summed loss depends on the whole batch: the formula gives the batch sum."""
 
 
@@ -129,9 +137,26 @@ def _inputs(n: int, seed: int) -> tuple[list[torch.Tensor], torch.Tensor, torch.
     return logps, nc, nr
 
 
+def _prompts(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chosen-prompt log-prob sums and token counts (ORPO's NLL; constants, as the prompt is not trained on here)."""
+    gen = torch.Generator().manual_seed(n)
+    return -20 * torch.rand(n, generator=gen, dtype=torch.float64) - 1, torch.randint(
+        1, 30, (n,), generator=gen
+    ).double()
+
+
+def _logps(tensors, nc, nr) -> PairLogps:
+    pp, npp = _prompts(len(nc))
+    return PairLogps(*tensors, nc, nr, chosen_prompt_logps=pp, chosen_prompt_token_counts=npp)
+
+
 def _pairs(tensors, nc, nr, **hyper) -> list[Pair]:
     values = [[float(v) for v in t.detach()] for t in tensors]
-    return [Pair(*(v[i] for v in values), float(nc[i]), float(nr[i]), **hyper) for i in range(len(nc))]
+    pp, npp = _prompts(len(nc))
+    return [
+        Pair(*(v[i] for v in values), float(nc[i]), float(nr[i]), **hyper, pp=float(pp[i]), npp=float(npp[i]))
+        for i in range(len(nc))
+    ]
 
 
 def _hyper(name: str, beta: float, eps: float) -> dict:
@@ -171,7 +196,7 @@ def test_loss_matches_float64_formula_values_and_gradients(loss_type, beta, eps)
     hyper = _hyper(loss_type, beta, eps)
     params = LossParams(beta=beta, label_smoothing=hyper["eps"], nll_weight=0.7)
     context = StepContext(bco_delta=0.3)
-    losses = LOSS_FUNCTIONS[loss_type](PairLogps(*tensors, nc, nr), params, context)
+    losses = LOSS_FUNCTIONS[loss_type](_logps(tensors, nc, nr), params, context)
     assert losses.shape == (n,) and losses.dtype == torch.float64
     pairs = _pairs(tensors, nc, nr, **hyper)
     if loss_type in PER_PAIR:
@@ -233,7 +258,7 @@ def _f_prime(kind: str, u: float, coef: float) -> float:
 
 
 @pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"])
-@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo_norm", "discopop"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "discopop"])
 def test_f_divergence_replaces_the_log_ratio_by_f_prime(kind, loss_type):
     gen = torch.Generator().manual_seed(11)
     tensors = [(-3 * torch.rand(8, generator=gen, dtype=torch.float64)).requires_grad_(True) for _ in range(4)]
@@ -287,6 +312,33 @@ def test_nll_terms_use_the_plain_sums_when_ld_alpha_weights_the_log_probs():
     unweighted = PairLogps(plain, *tensors[1:], nc, nr)
     sft = LOSS_FUNCTIONS["sft"]
     torch.testing.assert_close(sft(weighted, LossParams()), sft(unweighted, LossParams()))
+    pp, npp = _prompts(4)
+    prompts = {"chosen_prompt_logps": pp, "chosen_prompt_token_counts": npp}
+    orpo = LOSS_FUNCTIONS["orpo"]
+    weighted_nll = orpo(PairLogps(plain, *tensors[1:], nc, nr, **prompts), LossParams()) - orpo(
+        PairLogps(*tensors, nc, nr, policy_chosen_nll_logps=plain, **prompts), LossParams()
+    )
+    assert float(weighted_nll.abs().max()) > 0  # the odds ratio reads the LD-weighted sums ...
+    nll_only = LossParams(beta=0.0)  # ... the NLL the plain ones
+    torch.testing.assert_close(
+        orpo(PairLogps(*tensors, nc, nr, policy_chosen_nll_logps=plain, **prompts), nll_only),
+        orpo(PairLogps(plain, *tensors[1:], nc, nr, **prompts), nll_only),
+    )
+
+
+def test_orpo_needs_the_chosen_prompts_and_pools_its_nll_over_the_step():
+    tensors, nc, nr = _inputs(8, seed=5)
+    with pytest.raises(ValueError, match="prompts"):
+        LOSS_FUNCTIONS["orpo"](PairLogps(*tensors, nc, nr), LossParams())
+    pp, npp = _prompts(8)
+    logps = PairLogps(*tensors, nc, nr, chosen_prompt_logps=pp, chosen_prompt_token_counts=npp)
+    per_pair = (nc + npp).sum() / 8
+    zero_lambda = LossParams(beta=0.0)
+    step = LOSS_FUNCTIONS["orpo"](logps, zero_lambda, StepContext(chosen_sequence_tokens_per_pair=per_pair))
+    alone = LOSS_FUNCTIONS["orpo"](logps, zero_lambda)
+    expected = -float((tensors[0].detach() + pp).sum() / (nc + npp).sum())
+    assert float(step.detach().mean()) == pytest.approx(expected, rel=1e-12)
+    torch.testing.assert_close(step, alone)
 
 
 _SYNC_METHODS = ("item", "cpu", "tolist", "nonzero", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -303,8 +355,16 @@ def test_objective_and_metrics_of_a_micro_batch_make_no_host_sync(loss_type, mon
     tensors, nc, nr = _inputs(6, seed=12)
     gen = torch.Generator().manual_seed(2)
     wpo = [-torch.rand(6, generator=gen, dtype=torch.float64) * n for n in (nc, nr)]
+    pp, npp = _prompts(6)
     logps = PairLogps(
-        *tensors, nc, nr, policy_chosen_nll_logps=tensors[0] - 1.0, chosen_wpo_logps=wpo[0], rejected_wpo_logps=wpo[1]
+        *tensors,
+        nc,
+        nr,
+        policy_chosen_nll_logps=tensors[0] - 1.0,
+        chosen_wpo_logps=wpo[0],
+        rejected_wpo_logps=wpo[1],
+        chosen_prompt_logps=pp,
+        chosen_prompt_token_counts=npp,
     )
     eps = 1e-3 if OBJECTIVES[loss_type].label_smoothing != "none" else 0.0
     weighting = not OBJECTIVES[loss_type].sorts_step  # WPO is refused for AOT (config)

@@ -1,7 +1,8 @@
-"""A tokenizer without a chat template (a base model).
+"""Plain strings are raw text; a tokenizer without a chat template (a base model) refuses only conversations.
 
 Plain ``prompt`` / ``chosen`` / ``rejected`` strings are tokenised by concatenation, as TRL 1.16's non-conversational
-path does; message rows get ``no_chat_template`` naming the fix, in the trainer and in ``prepare-data``.
+path does, with or without a chat template; message rows without a template get ``no_chat_template`` naming the fix,
+in the trainer and in ``prepare-data``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def plain_rows(n: int, seed: int = 0, sep: str = "") -> list[dict]:
     ]
 
 
+TEMPLATED = {"apply_chat_template_to_strings": True}
+
+
 def _tokenize(row, tok):
     return tokenize_pair(normalize_row(row), tok, max_length=1024, max_prompt_length=512)
 
@@ -85,12 +89,21 @@ def test_truncation_follows_the_same_rule(base_tok):
     assert cut.chosen_ids == full.chosen_ids[:6] and cut.chosen_ids[-1] != base_tok.eos_token_id
 
 
-@pytest.mark.parametrize("row", [MESSAGE_ROW, HH_ROW, {**MESSAGE_ROW, "chosen": "1 2 3", "rejected": "1 3 2"}])
+@pytest.mark.parametrize("row", [MESSAGE_ROW, {**MESSAGE_ROW, "chosen": "1 2 3", "rejected": "1 3 2"}])
 def test_message_rows_need_a_template(base_tok, row):
     with pytest.raises(PreferenceRowError) as info:
         _tokenize(row, base_tok)
     assert info.value.reason_code == "no_chat_template"
     assert "chat_template" in info.value.message and "plain strings" in info.value.message
+
+
+def test_transcripts_are_plain_strings_and_the_template_option_needs_a_template(base_tok):
+    tp = _tokenize(HH_ROW, base_tok)  # TRL's extract_prompt: the shared text is the prompt, raw text
+    assert normalize_row(HH_ROW).prompt_messages[0]["content"] == "\n\nHuman: 3 1 2\n\nAssistant: 1"
+    assert tp.rendering == "strings_raw" and base_tok.decode(tp.chosen_ids) == "2 3 </s>"
+    with pytest.raises(PreferenceRowError) as info:
+        tokenize_pair(normalize_row(HH_ROW), base_tok, max_length=64, max_prompt_length=32, **TEMPLATED)
+    assert info.value.reason_code == "no_chat_template" and "apply_chat_template_to_strings" in info.value.message
 
 
 def test_the_trainer_fails_closed_on_a_message_row_and_trains_on_plain_rows(tmp_path, base_tok):
@@ -116,7 +129,8 @@ def test_prepare_data_counts_message_rows_and_keeps_plain_rows(tmp_path, base_to
     argv = ["prepare-data", str(source), "--output", str(out), "--tokenizer", str(tokenizer_dir), "--disable-tqdm"]
     assert cli_main([*argv, "--train-size", "15", "--eval-size", "5", "--seed", "0"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["rejections"] == {"no_chat_template": 2}
+    assert manifest["rejections"] == {"no_chat_template": 1}  # the message row; the transcripts are text
+    assert manifest["renderings"] == {"strings_raw": 21} and manifest["apply_chat_template_to_strings"] is False
     assert manifest["tokenizer"]["chat_template_sha256"] is None
     written = [json.loads(line) for line in (out / "train.jsonl").read_text().splitlines()]
     for row in written:
@@ -126,9 +140,14 @@ def test_prepare_data_counts_message_rows_and_keeps_plain_rows(tmp_path, base_to
     assert "[no_chat_template] rows.jsonl row 21:" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("template", [False, True])
 @pytest.mark.parametrize("sep", ["", " "])
-def test_same_ids_as_trl(base_tok, sep):
+def test_same_ids_as_trl(base_tok, sep, template):
+    """TRL never applies the chat template to plain strings; neither do we, with or without one."""
     trl = pytest.importorskip("trl")
+    if template:
+        base_tok = AutoTokenizer.from_pretrained(bundled_model_dir())
+        assert base_tok.chat_template
     rows = plain_rows(12, seed=3, sep=sep)
     config = trl.DPOConfig(output_dir="unused", max_length=None, report_to="none", use_cpu=True, bf16=False)
     fake_trainer = types.SimpleNamespace(_tokenizer=base_tok)  # all that _prepare_dataset reads from self
@@ -149,11 +168,11 @@ def test_same_ids_as_trl(base_tok, sep):
         }
 
 
-def test_a_template_still_wins_for_plain_rows(base_tok):
+def test_the_template_renders_plain_rows_only_when_asked(base_tok):
     templated = AutoTokenizer.from_pretrained(bundled_model_dir())
     row = plain_rows(1)[0]
-    with_template = _tokenize(row, templated)
+    assert _tokenize(row, templated) == _tokenize(row, copy.deepcopy(base_tok))  # raw text either way
+    with_template = tokenize_pair(normalize_row(row), templated, max_length=1024, max_prompt_length=512, **TEMPLATED)
     messages = normalize_row(row).prompt_messages
     expected = templated.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True, return_dict=False)
-    assert list(with_template.prompt_ids) == expected
-    assert with_template != _tokenize(row, copy.deepcopy(base_tok))
+    assert list(with_template.prompt_ids) == expected and with_template.rendering == "strings_templated"

@@ -29,6 +29,14 @@ HH_PAIR = PreferencePair(
     (_m("assistant", "1 2 3"),),
     (_m("assistant", "3 2 1"),),
 )
+"""The transcripts split into turns (with ``chat_strings``: plain strings rendered with the chat template)."""
+HH_TEXT_PAIR = PreferencePair(
+    (_m("user", "\n\nHuman: count up: 1 to 3\n\nAssistant: 1 2\n\nHuman: more\n\nAssistant:"),),
+    (_m("assistant", " 1 2 3"),),
+    (_m("assistant", " 3 2 1"),),
+    plain_text=True,
+)
+"""The transcripts as TRL's ``extract_prompt`` splits them: the shared text before the differing answers."""
 
 
 @pytest.mark.parametrize(
@@ -72,15 +80,25 @@ HH_PAIR = PreferencePair(
             SINGLE_TURN,
             id="2-extra-keys-dropped",
         ),
-        pytest.param({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_PAIR, id="3-anthropic-hh"),
-        pytest.param({"prompt": None, "chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_PAIR, id="3-null-prompt"),
+        pytest.param({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_TEXT_PAIR, id="3-anthropic-hh"),
+        pytest.param({"prompt": None, "chosen": HH_CHOSEN, "rejected": HH_REJECTED}, HH_TEXT_PAIR, id="3-null-prompt"),
+        pytest.param({"chosen": [USER, GOOD], "rejected": [USER, BAD]}, SINGLE_TURN, id="3-implicit-messages"),
         pytest.param(
-            {
-                "chosen": "Human: 3 1 2\n\nAssistant: 1 2 3",
-                "rejected": "\n\nHuman: 3 1 2\n\nAssistant:  1 3 2 ",
-            },
-            PreferencePair((_m("user", "3 1 2"),), (GOOD,), (BAD,)),
-            id="3-no-leading-newlines",
+            {"chosen": [SYSTEM, USER, GOOD, USER, GOOD], "rejected": [SYSTEM, USER, GOOD, USER, BAD]},
+            PreferencePair((SYSTEM, USER, GOOD, USER), (GOOD,), (BAD,)),
+            id="3-implicit-multi-turn",
+        ),
+        pytest.param(
+            {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+            PreferencePair(
+                (_m("user", "The sky is"),), (_m("assistant", " blue."),), (_m("assistant", " green."),), True
+            ),
+            id="3-implicit-strings",
+        ),
+        pytest.param(
+            {"chosen": "abc", "rejected": "abcd"},  # one a prefix of the other: TRL moves the last shared one out
+            PreferencePair((_m("user", "ab"),), (_m("assistant", "c"),), (_m("assistant", "cd"),), True),
+            id="3-implicit-prefix",
         ),
     ],
 )
@@ -110,14 +128,12 @@ def test_pair_is_frozen_and_hash_depends_on_prompt_only():
         pytest.param({"prompt": "p", "chosen": 3, "rejected": "r"}, "schema", "chosen", id="schema-int-completion"),
         pytest.param({"prompt": 5, "chosen": "c", "rejected": "r"}, "schema", "prompt", id="schema-int-prompt"),
         pytest.param({"prompt": [], "chosen": "c", "rejected": "r"}, "schema", "prompt", id="schema-empty-prompt"),
-        pytest.param({"chosen": [GOOD], "rejected": [BAD]}, "schema", "prompt", id="schema-lists-without-prompt"),
-        pytest.param({"chosen": "just text", "rejected": "other"}, "schema", "transcript", id="schema-not-hh"),
+        pytest.param({"chosen": [GOOD], "rejected": [BAD]}, "prefix_mismatch", "messages", id="no-shared-messages"),
         pytest.param(
-            {"chosen": "\n\nAssistant: 1", "rejected": "\n\nAssistant: 2"},
-            "schema",
-            "transcript",
-            id="schema-hh-no-prompt",
+            {"chosen": "just text", "rejected": "other"}, "prefix_mismatch", "characters", id="no-shared-text"
         ),
+        pytest.param({"chosen": [USER, GOOD], "rejected": "1 3 2"}, "schema", "both as strings", id="implicit-mixed"),
+        pytest.param({"messages": [USER, GOOD]}, "schema", "'messages'", id="messages-row"),
         pytest.param({"prompt": ["hi"], "chosen": "c", "rejected": "r"}, "schema", "prompt[0]", id="schema-msg-str"),
         pytest.param({"prompt": [_m("human", "x")], "chosen": "c", "rejected": "r"}, "role", "prompt[0]", id="role"),
         pytest.param(
@@ -164,28 +180,10 @@ def test_pair_is_frozen_and_hash_depends_on_prompt_only():
             id="prefix-continues-with-user",
         ),
         pytest.param(
-            {"chosen": HH_CHOSEN, "rejected": HH_REJECTED.replace("more", "less")},
-            "prefix_mismatch",
-            "transcripts",
-            id="prefix-hh",
-        ),
-        pytest.param(
             {"prompt": "p", "chosen": [GOOD, _m("user", "thanks")], "rejected": [BAD]},
             "not_assistant_last",
             "chosen",
             id="not-assistant-last",
-        ),
-        pytest.param(
-            {"chosen": HH_CHOSEN + "\n\nHuman: thanks", "rejected": HH_REJECTED},
-            "not_assistant_last",
-            "chosen",
-            id="not-assistant-last-hh",
-        ),
-        pytest.param(
-            {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi"},
-            "not_assistant_last",
-            "chosen",
-            id="hh-no-assistant",
         ),
         pytest.param({"prompt": "p", "chosen": "", "rejected": "r"}, "empty_completion", "chosen", id="empty-string"),
         pytest.param({"prompt": "p", "chosen": "c", "rejected": " \n"}, "empty_completion", "rejected", id="empty-ws"),
@@ -210,6 +208,67 @@ def test_malformed_rows(row, code, names):
     assert info.value.reason_code == code
     assert names in info.value.message
     assert str(info.value).startswith(f"[{code}] ")
+
+
+def test_with_chat_strings_transcripts_are_split_into_turns():
+    """For the chat template on plain strings an Anthropic-HH pair becomes its turns, so the template renders them."""
+    assert normalize_row({"chosen": HH_CHOSEN, "rejected": HH_REJECTED}, chat_strings=True) == HH_PAIR
+    loose = {"chosen": "Human: 3 1 2\n\nAssistant: 1 2 3", "rejected": "\n\nHuman: 3 1 2\n\nAssistant:  1 3 2 "}
+    assert normalize_row(loose, chat_strings=True) == PreferencePair((_m("user", "3 1 2"),), (GOOD,), (BAD,))
+    text = normalize_row({"chosen": "The sky is blue.", "rejected": "The sky is green."}, chat_strings=True)
+    assert text.prompt_messages == (_m("user", "The sky is"),) and text.plain_text  # not a transcript
+
+
+@pytest.mark.parametrize(
+    "row,code,names",
+    [
+        pytest.param(
+            {"chosen": HH_CHOSEN, "rejected": HH_REJECTED.replace("more", "less")},
+            "prefix_mismatch",
+            "transcripts",
+            id="prefix-hh",
+        ),
+        pytest.param(
+            {"chosen": HH_CHOSEN + "\n\nHuman: thanks", "rejected": HH_REJECTED},
+            "not_assistant_last",
+            "chosen",
+            id="not-assistant-last-hh",
+        ),
+        pytest.param(
+            {"chosen": "\n\nHuman: hi", "rejected": "\n\nHuman: hi"},
+            "not_assistant_last",
+            "chosen",
+            id="hh-no-assistant",
+        ),
+    ],
+)
+def test_malformed_transcripts_with_chat_strings(row, code, names):
+    with pytest.raises(PreferenceRowError) as info:
+        normalize_row(row, chat_strings=True)
+    assert info.value.reason_code == code and names in info.value.message
+
+
+def test_implicit_prompts_are_trls_extract_prompt():
+    """The same prompt / completions as TRL 1.16's own ``extract_prompt`` (TRL only in tests)."""
+    data_utils = pytest.importorskip("trl.data_utils")
+    rows = [
+        {"chosen": HH_CHOSEN, "rejected": HH_REJECTED},
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."},
+        {"chosen": "abc", "rejected": "abcd"},
+        {"chosen": [USER, GOOD], "rejected": [USER, BAD]},
+        {"chosen": [SYSTEM, USER, GOOD, USER, GOOD], "rejected": [SYSTEM, USER, GOOD, USER, BAD]},
+    ]
+    for row in rows:
+        theirs = data_utils.extract_prompt(row)
+        ours = normalize_row(row).as_row()
+        if isinstance(row["chosen"], str):
+            assert ours == theirs, row
+        else:
+            assert (ours["prompt"], ours["chosen"], ours["rejected"]) == (
+                theirs["prompt"],
+                theirs["chosen"],
+                theirs["rejected"],
+            ), row
 
 
 def test_docstring_examples():

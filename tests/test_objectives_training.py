@@ -34,7 +34,11 @@ def _padded(model, pairs):
     mask = batch.completion_mask.bool()
     token = log_probs.gather(-1, batch.labels.clamp(min=0)[..., None]).squeeze(-1) * mask
     lss = (log_probs.exp() ** 2).sum(-1).log()
+    valid = batch.attention_mask[:, 1:].bool()  # every token after the first (ORPO's NLL, as TRL's ORPOTrainer)
+    every = log_probs[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1) * valid
     return {
+        "sequence_logps": every.sum(-1),
+        "sequence_counts": valid.sum(-1).double(),
         "token_logps": token,
         "mask": mask,
         "logps": token.sum(-1),
@@ -59,9 +63,10 @@ def test_reference_free_objectives_build_no_reference_and_match_the_padded_formu
     metrics = trainer.evaluate()
     q = _padded(tiny_llama(0), pairs)
     pc, pr, nc, nr = q["logps"][0::2], q["logps"][1::2], q["counts"][0::2], q["counts"][1::2]
+    orpo_nll = -q["sequence_logps"][0::2].sum() / q["sequence_counts"][0::2].sum()  # TRL's: prompt + completion
     formulas = {  # Meng et al. 2024 Eq. 6 (gamma 0.5); Hong et al. 2024 Eq. 6-7; token-mean NLL
         "simpo": -F.logsigmoid(2.0 * (pc / nc - pr / nr) - 0.5),
-        "orpo": -pc / nc
+        "orpo": orpo_nll
         - 2.0
         * F.logsigmoid((pc / nc - pr / nr) - (torch.log(-torch.expm1(pc / nc)) - torch.log(-torch.expm1(pr / nr)))),
         "sft": -pc / nc.mean(),
@@ -146,7 +151,7 @@ def test_precomputed_reference_applies_ld_alpha_like_the_online_one(tmp_path):
 # ---------------------------------------------------------------- BCO's running reward mean
 def test_bco_delta_is_the_mean_reward_of_all_previous_steps(tmp_path):
     pairs = synthetic_pairs(48, seed=3)
-    trainer = _trainer(tmp_path, pairs, loss_type="bco_pair", max_steps=3, learning_rate=5e-2)
+    trainer = _trainer(tmp_path, pairs, loss_type="bco_pair_shift", max_steps=3, learning_rate=5e-2)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
     # every step has 8 pairs: delta = mean over steps of (mean chosen reward + mean rejected reward) / 2
@@ -161,7 +166,9 @@ def _losses_after(trainer, step):
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > step]
 
 
-@pytest.mark.parametrize("options", [{"loss_type": "bco_pair"}, {"sync_ref_model": True, "ref_model_sync_steps": 2}])
+@pytest.mark.parametrize(
+    "options", [{"loss_type": "bco_pair_shift"}, {"sync_ref_model": True, "ref_model_sync_steps": 2}]
+)
 def test_stateful_objectives_resume_exactly(tmp_path, options):
     pairs = synthetic_pairs(48, seed=2)
     common = {"max_steps": 5, "learning_rate": 5e-2, **options}
@@ -175,7 +182,7 @@ def test_stateful_objectives_resume_exactly(tmp_path, options):
     assert _losses_after(resumed, 3) == pytest.approx(_losses_after(straight, 3), abs=1e-6)
     if "loss_type" in options:
         state = json.loads((checkpoint / OBJECTIVE_STATE_FILENAME).read_text())
-        assert state["bco_pair"]["reward_count"] == 2 * 8 * 3
+        assert state["bco_pair_shift"]["reward_count"] == 2 * 8 * 3
     else:
         assert read_identity(checkpoint).synced_step == 2 and (checkpoint / SYNCED_REFERENCE_FILENAME).is_file()
 
@@ -186,16 +193,18 @@ def test_bco_resume_without_its_state_is_refused(tmp_path):
     pairs = synthetic_pairs(32, seed=2)
     other = _trainer(tmp_path / "a", pairs, loss_type="sigmoid", max_steps=2, save_strategy="steps", save_steps=2)
     other.train()
-    resumed = _trainer(tmp_path / "a", pairs, loss_type="bco_pair", max_steps=3, save_strategy="no")
+    resumed = _trainer(tmp_path / "a", pairs, loss_type="bco_pair_shift", max_steps=3, save_strategy="no")
     with pytest.raises(PairDPOError) as info:
         resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
     assert info.value.reason_code == "objective_state_missing" and "loss_type" in str(info.value)
 
-    first = _trainer(tmp_path / "b", pairs, loss_type="bco_pair", max_steps=2, save_strategy="steps", save_steps=2)
+    first = _trainer(
+        tmp_path / "b", pairs, loss_type="bco_pair_shift", max_steps=2, save_strategy="steps", save_steps=2
+    )
     first.train()
     checkpoint = tmp_path / "b" / "out" / "checkpoint-2"
     (checkpoint / OBJECTIVE_STATE_FILENAME).unlink()
-    resumed = _trainer(tmp_path / "b", pairs, loss_type="bco_pair", max_steps=3, save_strategy="no")
+    resumed = _trainer(tmp_path / "b", pairs, loss_type="bco_pair_shift", max_steps=3, save_strategy="no")
     with pytest.raises(PairDPOError) as info:
         resumed.train(resume_from_checkpoint=str(checkpoint))
     assert info.value.reason_code == "checkpoint_incomplete"

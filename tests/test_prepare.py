@@ -43,7 +43,7 @@ def _rows_with_duplicates_and_errors(demo_rows: list[dict]) -> list:
     rows += [
         {"prompt": "x"},
         ["not", "an", "object"],
-        {"prompt": "x", "chosen": "1", "rejected": "1"},
+        {"prompt": "x", "chosen": " 1", "rejected": " 1"},
         {"prompt": "x", "chosen": [{"role": "bot", "content": "1"}], "rejected": "2"},
     ]
     return rows
@@ -175,7 +175,7 @@ def test_overwrite_replaces_a_previous_output(tmp_path, tokenizer_dir, demo_rows
         ("too-few", (), (55, 10), "only 60 valid pairs"),
         ("missing-file", (), (10, 5), "no such file"),
         ("corrupt-parquet", (), (10, 5), "cannot read"),
-        ("invalid-json", (), (10, 5), "line 1 is not valid JSON"),
+        ("invalid-json-strict", ("--strict",), (10, 5), "[bad_json] in.jsonl row 1: line 1 is not valid JSON"),
         ("unsupported-format", (), (10, 5), "unsupported input format"),
         ("negative-eval", (), (10, -1), "--eval-size"),
         (
@@ -197,7 +197,7 @@ def test_errors_exit_2_without_partial_output(tmp_path, tokenizer_dir, demo_rows
     elif case == "corrupt-parquet":
         source = tmp_path / "bad.parquet"
         source.write_bytes(b"PAR1 not really parquet")
-    elif case == "invalid-json":
+    elif case == "invalid-json-strict":
         source.write_text('{"prompt": "x", "chosen": \n')
     elif case == "unsupported-format":
         source = source.rename(tmp_path / "in.csv")
@@ -279,3 +279,40 @@ def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(tmp_path, token
     assert manifest["max_tokens_per_microbatch"] == budget
     assert manifest["rejections"]["pair_too_long"] == sum(c > budget for c in costs) > 0
     assert "pair_too_long" in capsys.readouterr().out
+
+
+def test_a_malformed_json_line_is_one_bad_json_row_with_its_line_number(tmp_path, tokenizer_dir, demo_rows, capsys):
+    """One bad line never aborts the file (``--strict`` does): it is counted as ``bad_json`` and named by its line."""
+    lines = [json.dumps(row) for row in demo_rows]
+    lines.insert(4, '{"prompt": "x", "chosen": ')  # line 5 of the file
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert _prepare([source], tmp_path / "out", tokenizer_dir, "--disable-tqdm") == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert manifest["rejections"] == {"bad_json": 1} and manifest["accepted"] == 60
+    out = capsys.readouterr().out
+    assert "[bad_json] in.jsonl row 5: line 5 is not valid JSON" in out
+
+
+def test_only_inputs_output_and_tokenizer_are_required(tmp_path, tokenizer_dir, demo_rows, capsys):
+    """Defaults: every valid pair is train, none held out, seed 42 (the trainer's), and the prompt limit by the
+    trainer's rule (``--max-length 128`` alone: 64)."""
+    source = _write_jsonl(tmp_path / "in.jsonl", demo_rows)
+    argv = ["prepare-data", str(source), "--output", str(tmp_path / "out"), "--tokenizer", tokenizer_dir]
+    assert main([*argv, "--max-length", "128", "--disable-tqdm"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["max_length"], manifest["max_prompt_length"]) == (128, 64)
+    assert (manifest["train_size"], manifest["eval_size"], manifest["seed"]) == (60, 0, 42)
+    assert manifest["splits"]["eval"]["pairs"] == 0 and len(_read_jsonl(tmp_path / "out" / "train.jsonl")) == 60
+    assert "wrote 60 train + 0 eval pairs" in capsys.readouterr().out
+
+
+def test_every_message_is_a_whole_line(tmp_path, tokenizer_dir, demo_rows, capfd):
+    """Success and error alike: what prepare-data prints ends with a newline, also after a progress bar."""
+    source = _write_jsonl(tmp_path / "in.jsonl", [*demo_rows, {"prompt": "x"}])
+    assert _prepare([source], tmp_path / "ok", tokenizer_dir) == 0
+    assert _prepare([source], tmp_path / "strict", tokenizer_dir, "--strict") == 2
+    captured = capfd.readouterr()
+    for stream in (captured.out, captured.err):
+        assert stream.endswith("\n")
+    assert "\npair-dpo prepare-data: error: [schema]" in "\n" + captured.err.replace("\r", "\n")

@@ -23,27 +23,22 @@ def test_the_reference_engine_options_report_every_problem_not_the_first(tmp_pat
 
 
 def test_a_trainer_raises_every_runtime_problem_at_once(tmp_path) -> None:
-    """Named leaves without ZeRO-3 and a ref_model for a reference-free run: both named, in one ConfigError (the
-    second was a bare ValueError raised later, when the reference was built)."""
-    args = cpu_config(tmp_path, reference_free=True, zero3_leaf_modules="LlamaDecoderLayer")
+    """Named leaves without ZeRO-3 and ref_offload_params without a sharded reference: both named, in one
+    ConfigError."""
+    args = cpu_config(tmp_path, zero3_leaf_modules="LlamaDecoderLayer", ref_offload_params=True)
     with pytest.raises(ConfigError) as info:
-        PairDPOTrainer(
-            tiny_llama(),
-            args,
-            train_dataset=synthetic_pairs(4),
-            processing_class=tiny_tokenizer(),
-            ref_model=tiny_llama(1),
-        )
+        PairDPOTrainer(tiny_llama(), args, train_dataset=synthetic_pairs(8), processing_class=tiny_tokenizer())
     assert info.value.reason_code == "invalid_config"
-    assert [code for code, _ in info.value.problems] == ["unsupported_combination", "reference_conflict"]
-    assert "zero3_leaf_modules" in info.value.problems[0][1] and "ref_model" in info.value.problems[1][1]
+    assert [code for code, _ in info.value.problems] == ["unsupported_combination"] * 2
+    assert "zero3_leaf_modules" in info.value.problems[0][1] and "ref_offload_params" in info.value.problems[1][1]
 
 
 def test_one_runtime_problem_keeps_its_own_code_and_message(tmp_path) -> None:
-    error = runtime_error(cpu_config(tmp_path, reference_free=True), ref_model_given=True)
-    assert error.reason_code == "reference_conflict" and error.problems == [(error.reason_code, error.message)]
-    assert error.message == "reference_free=True builds no reference: do not pass ref_model."
+    error = runtime_error(cpu_config(tmp_path, ref_offload_params=True))
+    assert error.reason_code == "unsupported_combination" and error.problems == [(error.reason_code, error.message)]
+    assert error.message.startswith("ref_offload_params=True offloads the parameters of a sharded reference")
     assert runtime_error(cpu_config(tmp_path)) is None
+    assert runtime_error(cpu_config(tmp_path, reference_free=True), ref_model_given=True) is None  # ignored
 
 
 def test_the_deepspeed_reference_stage_rules_are_collected(tmp_path) -> None:

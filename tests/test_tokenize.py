@@ -25,7 +25,11 @@ from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 
 LONG_PROMPT = "sort ascending: " + " ".join(str(i) for i in range(40, 0, -1))
-ROW = {"prompt": "sort ascending: 3 1 2", "chosen": "1 2 3", "rejected": "1 3 2"}
+PROMPT = "sort ascending: 3 1 2"
+ROW = {"prompt": [{"role": "user", "content": PROMPT}], "chosen": "1 2 3", "rejected": "1 3 2"}
+"""A conversation (a list prompt): rendered with the chat template."""
+STRINGS = {"prompt": PROMPT, "chosen": "1 2 3", "rejected": "1 3 2"}
+"""Three plain strings: raw text, or the template with ``apply_chat_template_to_strings``."""
 
 # Not prefix-consistent: the generation prompt is not the header that assistant turns are rendered with.
 NON_PREFIX_TEMPLATE = (
@@ -54,13 +58,15 @@ def _with_template(tok, template: str):
     return other
 
 
-def _tokenize(row, tok, max_length=256, max_prompt_length=128, **kwargs) -> TokenizedPair:
-    return tokenize_pair(normalize_row(row), tok, max_length=max_length, max_prompt_length=max_prompt_length, **kwargs)
+def _tokenize(row, tok, max_length=256, max_prompt_length=128, strings_templated=False, **kwargs) -> TokenizedPair:
+    pair = normalize_row(row, chat_strings=strings_templated)
+    limits = {"max_length": max_length, "max_prompt_length": max_prompt_length, **kwargs}
+    return tokenize_pair(pair, tok, **limits, apply_chat_template_to_strings=strings_templated)
 
 
 def test_ids_follow_the_chat_template(tok):
     tp = _tokenize(ROW, tok)
-    prompt = [{"role": "user", "content": ROW["prompt"]}]
+    prompt = [{"role": "user", "content": PROMPT}]
     assert list(tp.prompt_ids) == tok.apply_chat_template(prompt, add_generation_prompt=True, return_dict=False)
     for completion, ids in (("1 2 3", tp.chosen_ids), ("1 3 2", tp.rejected_ids)):
         full = tok.apply_chat_template(prompt + [{"role": "assistant", "content": completion}], return_dict=False)
@@ -78,21 +84,39 @@ def test_ids_follow_the_chat_template(tok):
 
 
 def test_every_shape_gives_the_same_ids(tok):
-    user = {"role": "user", "content": ROW["prompt"]}
-    shapes = [
+    user = {"role": "user", "content": PROMPT}
+    conversations = [
         ROW,
         {"prompt": [user], "chosen": [{"role": "assistant", "content": "1 2 3"}], "rejected": "1 3 2"},
+        {"prompt": PROMPT, "chosen": [user, {"role": "assistant", "content": "1 2 3"}], "rejected": "1 3 2"},
         {
-            "prompt": ROW["prompt"],
             "chosen": [user, {"role": "assistant", "content": "1 2 3"}],
-            "rejected": "1 3 2",
+            "rejected": [user, {"role": "assistant", "content": "1 3 2"}],
         },
+    ]
+    strings = [  # the same turns with the chat template on plain strings
+        STRINGS,
         {
             "chosen": "\n\nHuman: sort ascending: 3 1 2\n\nAssistant: 1 2 3",
             "rejected": "Human: sort ascending: 3 1 2\n\nAssistant: 1 3 2",
         },
     ]
-    assert len({_tokenize(row, tok) for row in shapes}) == 1
+    tokenized = {_tokenize(row, tok) for row in conversations}
+    tokenized |= {_tokenize(row, tok, strings_templated=True) for row in strings}
+    assert len(tokenized) == 1
+    assert {_tokenize(row, tok).rendering for row in conversations} == {"conversations"}
+
+
+def test_plain_strings_are_raw_text_even_with_a_chat_template(tok):
+    """TRL's non-conversational path: ``tokenizer(prompt)`` / ``tokenizer(prompt + completion)`` + EOS, no template."""
+    spaced = {**STRINGS, "chosen": " 1 2 3", "rejected": " 1 3 2"}  # the prompt's last token stays whole
+    tp = _tokenize(spaced, tok)
+    assert tp.rendering == "strings_raw"
+    assert list(tp.prompt_ids) == tok(PROMPT)["input_ids"]
+    assert list(tp.prompt_ids + tp.chosen_ids) == tok(PROMPT + " 1 2 3")["input_ids"] + [tok.eos_token_id]
+    templated = _tokenize(STRINGS, tok, strings_templated=True)
+    assert templated.rendering == "strings_templated" and templated == _tokenize(ROW, tok)
+    assert templated != _tokenize(STRINGS, tok)
 
 
 def test_multi_turn_completion_and_system_prompt(tok):
@@ -111,7 +135,7 @@ def test_multi_turn_completion_and_system_prompt(tok):
 
 
 def test_prompt_is_truncated_from_the_left(tok):
-    row = {**ROW, "prompt": LONG_PROMPT}
+    row = {**ROW, "prompt": [{"role": "user", "content": LONG_PROMPT}]}
     full = _tokenize(row, tok, max_length=256, max_prompt_length=200)
     cut = _tokenize(row, tok, max_length=256, max_prompt_length=10)
     assert len(full.prompt_ids) > 10
@@ -185,7 +209,7 @@ def test_control_tokens_in_content_are_text(tok):
             id="template_error",
         ),
         pytest.param(
-            {**ROW, "prompt": LONG_PROMPT},
+            {**STRINGS, "prompt": LONG_PROMPT},
             None,
             {"max_length": 12, "max_prompt_length": 12},
             "empty_completion",
@@ -200,7 +224,7 @@ def test_control_tokens_in_content_are_text(tok):
             id="identical_after_truncation",
         ),
         pytest.param(
-            {**ROW, "prompt": LONG_PROMPT}, None, {"max_tokens_per_microbatch": 60}, "pair_too_long", id="too-long"
+            {**STRINGS, "prompt": LONG_PROMPT}, None, {"max_tokens_per_microbatch": 60}, "pair_too_long", id="too-long"
         ),
     ],
 )
@@ -242,7 +266,7 @@ def test_tokenize_dataset_counts_rejections(tok):
         {"prompt": "p"},
         {**ROW, "rejected": "1 2 3"},
         {**ROW, "chosen": [{"role": "gpt", "content": "x"}]},
-        {**ROW, "prompt": LONG_PROMPT},
+        {**STRINGS, "prompt": LONG_PROMPT * 3},
         {"prompt": "p", "chosen": ""},
     ]
     result = tokenize_dataset(
@@ -250,7 +274,7 @@ def test_tokenize_dataset_counts_rejections(tok):
     )
     assert result.num_rows == 6 and result.num_accepted == 1 and result.row_indices == [0]
     assert result.features == [_tokenize(ROW, tok).to_features()]
-    assert result.pairs == [normalize_row(ROW)]
+    assert result.pairs == [normalize_row(ROW)] and result.renderings == Counter(conversations=1)
     assert result.rejections == Counter(schema=2, identical_after_truncation=1, role=1, pair_too_long=1)
     assert result.examples["schema"].startswith("dataset row 1: ")
     with pytest.raises(PreferenceRowError) as info:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +97,26 @@ def test_trl_flags_and_yaml_keys_raise_unsupported_option_naming_the_equivalent(
     with pytest.raises(ConfigError) as key:
         train.parse_args([str(tmp_path / "trl.yaml")])
     assert [text.split(":")[0] for _, text in key.value.problems] == ["padding_free", "precompute_ref_logps"]
+
+
+def test_help_lists_the_dpo_options_first_without_importing_the_trainer_or_peft(tmp_path):
+    """``train.py --help`` builds the parser only: no trainer, no transformers ``Trainer``, no ``peft`` (which
+    transformers' ``TrainingArguments`` would import) are imported, and the pair DPO options come first."""
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['train.py', '--help']\n"
+        "try:\n"
+        f"    runpy.run_path({str(ROOT / 'train.py')!r}, run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    assert exc.code == 0, exc.code\n"
+        "heavy = [m for m in ('peft', 'transformers.trainer', 'pair_dpo_trainer.trainer') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert lines[0] == "pair DPO options (the TrainingArguments options follow):"
+    assert lines[1].split()[0] == "--model_name_or_path" and any(line.split()[:1] == ["--beta"] for line in lines[:10])
+    assert "HEAVY []" in lines
+    assert any(line.lstrip().startswith("--learning_rate") for line in lines)  # every option still follows

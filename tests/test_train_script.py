@@ -109,3 +109,16 @@ def test_a_library_config_applies_the_allocator_before_training_arguments_set_up
     monkeypatch.setattr(TrainingArguments, "__post_init__", lambda self: calls.append("device") or real(self))
     config = arguments.PairDPOConfig(output_dir=str(tmp_path), report_to="none")
     assert calls == ["allocator", "device"] and config.allocator == "chosen"
+
+
+def test_plot_cli_says_what_it_wrote(tmp_path, capsys):
+    from pair_dpo_trainer.cli import main as cli_main
+
+    history = [
+        {"step": s, "loss": 0.7 - 0.1 * s, "rewards/margins": 0.1 * s, "rewards/accuracies": 0.5} for s in (1, 2)
+    ]
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": history}))
+    assert cli_main(["plot", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"pair-dpo plot: wrote {tmp_path / 'training_curves.png'} (") and out.endswith("\n")
+    assert str(tmp_path / "trainer_state.json") in out

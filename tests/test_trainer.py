@@ -74,7 +74,7 @@ def test_reference_free_builds_no_reference_and_matches_padded_formula(tmp_path)
     assert metrics["eval_rewards/accuracies"] == pytest.approx(accuracy)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust", "sigmoid_nll"])
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo_sum", "hinge", "robust", "sigmoid_nll"])
 def test_packed_eval_loss_equals_padded_computation_with_distinct_reference(tmp_path, loss_type):
     pairs = synthetic_pairs(12, seed=5)
     smoothing = 0.1 if loss_type == "robust" else 0.0
@@ -86,7 +86,7 @@ def test_packed_eval_loss_equals_padded_computation_with_distinct_reference(tmp_
     beta = 0.1
     formulas = {
         "sigmoid": -F.logsigmoid(beta * h),
-        "ipo": (h - 1 / (2 * beta)) ** 2,
+        "ipo_sum": (h - 1 / (2 * beta)) ** 2,
         "hinge": torch.relu(1 - beta * h),
         "robust": (-(1 - smoothing) * F.logsigmoid(beta * h) + smoothing * F.logsigmoid(-beta * h))
         / (1 - 2 * smoothing),

@@ -37,21 +37,18 @@ def _config(tmp_path: Path, **kwargs) -> PairDPOConfig:
 
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     """name -> (file, text the error must contain besides the path)."""
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": \n')
     parquet = tmp_path / "corrupt.parquet"
     parquet.write_bytes(b"PAR1 not really parquet")
     latin = tmp_path / "latin1.jsonl"
     latin.write_bytes(b'\xff{"prompt": "caf\xe9"}\n')
     return {
         "missing": (tmp_path / "missing.jsonl", "no such file"),
-        "broken": (broken, "line 2"),
         "parquet": (parquet, "parquet"),
         "encoding": (latin, "UTF-8"),
     }
 
 
-@pytest.mark.parametrize("name", ["missing", "broken", "parquet", "encoding"])
+@pytest.mark.parametrize("name", ["missing", "parquet", "encoding"])  # a malformed JSON line is one bad row
 def test_prepare_data_on_an_unreadable_file_exits_2_naming_the_file(tmp_path, capsys, name):
     path, detail = _bad_inputs(tmp_path)[name]
     output = tmp_path / "prepared"
@@ -144,7 +141,7 @@ def test_malformed_row_in_the_trainer_dataset_names_the_row(tmp_path, bad_row, c
     with pytest.raises(PreferenceRowError) as info:
         PairDPOTrainer(
             model=tiny_llama(0),
-            args=_config(tmp_path),
+            args=_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1),
             train_dataset=rows,
             processing_class=AutoTokenizer.from_pretrained(bundled_model_dir()),
         )
@@ -156,14 +153,13 @@ def test_malformed_row_in_the_trainer_dataset_names_the_row(tmp_path, bad_row, c
 
 
 def test_too_few_pairs_for_one_step_names_the_batch_options(tmp_path):
-    trainer = PairDPOTrainer(
-        model=tiny_llama(0),
-        args=_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1),
-        train_dataset=synthetic_pairs(5),
-        processing_class=tiny_tokenizer(),
-    )
-    with pytest.raises(ScheduleError) as info:
-        trainer.train()
+    with pytest.raises(ScheduleError) as info:  # at construction: the row count is enough to know
+        PairDPOTrainer(
+            model=tiny_llama(0),
+            args=_config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=2, max_steps=1),
+            train_dataset=synthetic_pairs(5),
+            processing_class=tiny_tokenizer(),
+        )
     assert info.value.reason_code == "too_few_pairs"
     assert "per_device_train_batch_size" in str(info.value) and "gradient_accumulation_steps" in str(info.value)
 
@@ -257,3 +253,67 @@ def test_prepare_data_examples_and_strict_errors_count_rows_from_1(tmp_path, cap
     shutil.rmtree(tmp_path / "out")
     assert _prepare_rows(tmp_path, rows, "--strict") == 2
     assert "[schema] in.jsonl row 1:" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ how errors print
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess.CompletedProcess:
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONPATH": str(ROOT),
+        **({"PAIR_DPO_DEBUG": "1"} if debug else {}),
+    }
+    command = [sys.executable, str(ROOT / "train.py"), *argv]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceback_on_request(tmp_path):
+    typo = str(tmp_path / "models" / "typo")
+    argv = ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path()), "--output_dir", str(tmp_path)]
+    done = _train_script(tmp_path, *argv, "--use_cpu", "true")
+    assert done.returncode == 1
+    lines = [line for line in done.stderr.splitlines() if line.startswith("train.py:")]
+    assert len(lines) == 2, done.stderr[-2000:]
+    assert lines[0].startswith(f"train.py: error: [model_not_found] the policy path {typo!r} (--model_name_or_path)")
+    assert lines[1] == "train.py: (the traceback: set PAIR_DPO_DEBUG=1)"
+    assert "Traceback" not in done.stderr
+    debug = _train_script(tmp_path, *argv, "--use_cpu", "true", debug=True)
+    assert debug.returncode == 1 and "Traceback" in debug.stderr and "[model_not_found]" in debug.stderr
+
+
+def test_the_cli_prints_a_reason_coded_error_as_one_message(capsys):
+    from pair_dpo_trainer.cli import report_errors
+
+    def fail() -> int:
+        raise ConfigError("bad_args", "what to fix.")
+
+    assert report_errors("pair-dpo x", fail) == 1
+    assert (
+        capsys.readouterr().err
+        == "pair-dpo x: error: [bad_args] what to fix.\npair-dpo x: (the traceback: set PAIR_DPO_DEBUG=1)\n"
+    )
+    with pytest.raises(ConfigError):
+        report_errors("pair-dpo x", fail, debug=True)
+    assert "--debug" in cli_main.__globals__["build_parser"]().format_help()
+
+
+def test_too_few_pairs_is_raised_from_the_row_count_before_the_model_loads_or_rows_tokenise(tmp_path, monkeypatch):
+    from pair_dpo_trainer import trainer as trainer_module
+
+    def not_now(*_args, **_kwargs):
+        raise AssertionError("loaded or tokenised before the schedule check")
+
+    monkeypatch.setattr(trainer_module.AutoModelForCausalLM, "from_pretrained", not_now)
+    monkeypatch.setattr(trainer_module, "pair_dataset_and_rendering", not_now)
+    rows = generate_demo_pairs(seed=0, n=3)
+    args = _config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    with pytest.raises(ScheduleError) as info:
+        PairDPOTrainer(model=str(bundled_model_dir()), args=args, train_dataset=rows)
+    assert info.value.reason_code == "too_few_pairs" and "has 3 rows" in info.value.message

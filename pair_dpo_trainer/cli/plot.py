@@ -51,8 +51,9 @@ def plot_training_curves(log_history: list[dict], path: str | Path) -> Path:
     return out
 
 
-def plot_run(output_dir: str | Path) -> Path:
-    """Plots ``OUTPUT_DIR/trainer_state.json`` (or the newest checkpoint's) into ``OUTPUT_DIR/training_curves.png``."""
+def plot_run(output_dir: str | Path) -> tuple[Path, Path]:
+    """Plots ``OUTPUT_DIR/trainer_state.json`` (or the newest checkpoint's) into ``OUTPUT_DIR/training_curves.png``;
+    returns ``(the state file read, the PNG written)``."""
     root = Path(output_dir)
     state_path = root / "trainer_state.json"
     if not state_path.is_file():
@@ -63,7 +64,7 @@ def plot_run(output_dir: str | Path) -> Path:
             raise FileNotFoundError(f"no trainer_state.json in {root} or its checkpoint-* folders")
         state_path = checkpoints[-1]
     log_history = json.loads(state_path.read_text())["log_history"]
-    return plot_training_curves(log_history, root / CURVES_FILENAME)
+    return state_path, plot_training_curves(log_history, root / CURVES_FILENAME)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Runs ``pair-dpo plot``; exit 0 on success, 2 when there is nothing to plot."""
     try:
-        path = plot_run(args.output_dir)
+        state_path, path = plot_run(args.output_dir)
     except (FileNotFoundError, KeyError, json.JSONDecodeError) as exc:
         print(f"pair-dpo plot: {exc}", file=sys.stderr)
         return 2
-    print(path)
+    panels = ", ".join(title for _, title in PANELS)
+    print(f"pair-dpo plot: wrote {path} ({panels} against step, from {state_path})")
     return 0

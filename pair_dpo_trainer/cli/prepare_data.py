@@ -1,7 +1,8 @@
 """``pair-dpo prepare-data``: the command line of :mod:`pair_dpo_trainer.data.prepare`.
 
-``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``.
-Errors print one message on stderr and return exit code 2.
+``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH`` (every valid pair as train, none held out;
+``--eval-size M`` holds out M pairs of whole prompt groups, ``--train-size N`` caps the train split). Errors print one
+message on stderr and return exit code 2.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pair_dpo_trainer.data.prepare import UsageError, prepare, rejection_counts
+from pair_dpo_trainer.data.prepare import DEFAULT_SEED, UsageError, prepare, rejection_counts
 from pair_dpo_trainer.data.readers import InputError
 from pair_dpo_trainer.data.workers import MAX_NUM_PROC
 from pair_dpo_trainer.errors import PairDPOError
@@ -23,11 +24,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer",
         required=True,
         metavar="PATH",
-        help="Local tokenizer directory; without a chat template, plain-string rows are tokenised by concatenation.",
+        help="Local tokenizer directory: conversations are rendered with its chat template, plain strings as raw text.",
     )
-    parser.add_argument("--train-size", type=int, required=True, metavar="N", help="Train pairs to select (>= 1).")
-    parser.add_argument("--eval-size", type=int, required=True, metavar="M", help="Eval pairs to select (>= 0).")
-    parser.add_argument("--seed", type=int, required=True, metavar="S", help="Seed of the deterministic selection.")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="Train pairs to select (>= 1; default: every valid pair not held out for eval).",
+    )
+    parser.add_argument(
+        "--eval-size",
+        type=int,
+        default=0,
+        metavar="M",
+        help="Eval pairs to hold out, whole prompt groups (default 0: no eval split).",
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=DEFAULT_SEED,
+        metavar="S",
+        help=f"Seed of the deterministic selection (default {DEFAULT_SEED}, the trainer's default seed: "
+        "--eval-size 200 holds out the pairs train.py --dataset FILE holds out).",
+    )
+    _add_limit_arguments(parser)
+    _add_run_arguments(parser)
+
+
+def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
+    """The length limits, the rendering of plain strings and the micro-batch budget."""
     parser.add_argument(
         "--max-length",
         type=int,
@@ -38,9 +64,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-prompt-length",
         type=int,
-        default=512,
+        default=None,
         metavar="P",
-        help="Maximum prompt tokens, left-truncated (default 512; must be < --max-length).",
+        help="Maximum prompt tokens, left-truncated (must be < --max-length; default as the trainer's: 512, or "
+        "--max-length // 2 when --max-length <= 512).",
+    )
+    parser.add_argument(
+        "--apply-chat-template-to-strings",
+        action="store_true",
+        help="Render plain-string rows with the tokenizer's chat template (one user turn, one assistant turn) "
+        "instead of as raw text (TRL's way); train with apply_chat_template_to_strings=True then.",
     )
     parser.add_argument(
         "--max-tokens-per-microbatch",
@@ -50,7 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
         "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
     )
-    parser.add_argument("--strict", action="store_true", help="Fail on the first rejected row instead of counting.")
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the conversion runs: strictness, workers, progress, overwriting."""
+    parser.add_argument(
+        "--strict",
+        action="store_true",
+        help="Fail on the first rejected row (a malformed JSON line too) instead of counting it.",
+    )
     parser.add_argument(
         "--num-proc",
         type=int,

@@ -110,6 +110,9 @@ class PackedPairBatch(_TensorDataclass):
         step_context: The :class:`~pair_dpo_trainer.losses.StepContext` the trainer attaches before an optimizer
             step (quantities of the whole step for step-level objectives), else None.
         num_pad_tokens: Tokens of the trailing pad segment (0 without one).
+        prompt_positions: ``[M]`` int64 flat positions whose next token is a prompt token of a chosen sequence (all
+            but the first prompt token), when the collator scores chosen prompts (ORPO's NLL), else None.
+        prompt_targets: ``[M]`` int64 the prompt token each of ``prompt_positions`` predicts, else None.
     """
 
     input_ids: torch.Tensor
@@ -126,6 +129,8 @@ class PackedPairBatch(_TensorDataclass):
     token_weights: torch.Tensor | None = None
     step_context: Any = None
     num_pad_tokens: int = 0
+    prompt_positions: torch.Tensor | None = None
+    prompt_targets: torch.Tensor | None = None
 
     @property
     def num_sequences(self) -> int:
@@ -249,10 +254,16 @@ class PackedPairCollator:
             the micro-batch token budget, so every row has one shape); a longer micro-batch raises ``ValueError``.
             Not together with ``pad_to_multiple_of``.
         pad_token_id: Token id of the pad segment.
+        score_chosen_prompts: Also list the positions that predict the chosen sequences' prompt tokens
+            (``prompt_positions`` / ``prompt_targets``): ORPO's NLL covers prompt and completion, as TRL's does.
     """
 
     def __init__(
-        self, pad_to_multiple_of: int | None = None, pad_token_id: int = 0, pad_to_length: int | None = None
+        self,
+        pad_to_multiple_of: int | None = None,
+        pad_token_id: int = 0,
+        pad_to_length: int | None = None,
+        score_chosen_prompts: bool = False,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pad_to_length", pad_to_length)):
             if value is not None and value < 1:
@@ -262,6 +273,7 @@ class PackedPairCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_length = pad_to_length
         self.pad_token_id = int(pad_token_id)
+        self.score_chosen_prompts = score_chosen_prompts
 
     def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> PackedPairBatch:
         """Pack ``features`` (``n`` pairs) into one row; see the class docstring for the layout."""
@@ -271,9 +283,11 @@ class PackedPairCollator:
         positions: list[int] = []
         labels: list[int] = []
         seq_index: list[int] = []
+        prompt_positions: list[int] = []
         cu = [0]
         for row, feature in enumerate(features):
             chosen, rejected, prompt_length = pair_sequences(feature, row)
+            prompt_positions.extend(range(len(ids), len(ids) + prompt_length - 1))  # predict prompt tokens 1..P-1
             for seq in (chosen, rejected):
                 ids.extend(seq)
                 positions.extend(range(len(seq)))
@@ -290,8 +304,10 @@ class PackedPairCollator:
         n = len(features)
         label_tensor = torch.tensor([labels], dtype=torch.int64)
         mask = label_tensor != IGNORE_INDEX
+        prompts = torch.tensor(prompt_positions, dtype=torch.int64) if self.score_chosen_prompts else None
+        input_ids = torch.tensor([ids], dtype=torch.int64)
         return PackedPairBatch(
-            input_ids=torch.tensor([ids], dtype=torch.int64),
+            input_ids=input_ids,
             position_ids=torch.tensor([positions], dtype=torch.int64),
             cu_seqlens=torch.tensor(cu, dtype=torch.int32),
             max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
@@ -303,6 +319,8 @@ class PackedPairCollator:
             pair_weights=_pair_weights(features),
             ref_logps=_ref_logps(features),
             num_pad_tokens=pad,
+            prompt_positions=prompts,
+            prompt_targets=None if prompts is None else input_ids[0].index_select(0, prompts + 1),
         )
 
     def _pad_length(self, length: int) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 from transformers import TrainingArguments
 
 from pair_dpo_trainer.config.allocator import apply_allocator_default
-from pair_dpo_trainer.config.launch import launch_problem, resolve_bf16, resolve_use_cpu
+from pair_dpo_trainer.config.launch import launch_problem, precision_problem, resolve_bf16, resolve_use_cpu
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.errors import ConfigError, Problem, raise_problems
 
@@ -52,21 +52,30 @@ def _as_float(value: Any) -> float:
         return math.nan
 
 
+def _split_each(values: Any) -> list[Any]:
+    """A string split at commas, or each string entry of a list split at commas (other entries kept)."""
+    if isinstance(values, str):
+        return _split(values)
+    return [part for value in values for part in (_split(value) if isinstance(value, str) else [value])]
+
+
 def normalize_loss_fields(loss_type: Any, loss_weights: Any) -> tuple[list[str], list[float] | None]:
     """``loss_type`` and ``loss_weights`` as lists, as TRL 1.16 stores them.
 
     A single string is one objective (TRL) or a comma-separated list (``"sigmoid,bco_pair,sft"``); flags give a list
-    (``--loss_type sigmoid bco_pair sft --loss_weights 0.8 0.2 1.0``), YAML/JSON a list.
+    (``--loss_type sigmoid bco_pair sft --loss_weights 0.8 0.2 1.0``, or ``--loss_type sigmoid,sft``, which the
+    argument parser passes as the one entry ``"sigmoid,sft"``), YAML/JSON a list. Every entry is split at commas.
 
     Example:
         >>> normalize_loss_fields("sigmoid, sft", "0.5,1")
         (['sigmoid', 'sft'], [0.5, 1.0])
+        >>> normalize_loss_fields(["sigmoid,sft"], None)
+        (['sigmoid', 'sft'], None)
     """
-    types = _split(loss_type) if isinstance(loss_type, str) else [str(name) for name in loss_type]
+    types = [str(name) for name in _split_each(loss_type)]
     if loss_weights is None:
         return types, None
-    weights = _split(loss_weights) if isinstance(loss_weights, str) else list(loss_weights)
-    return types, [_as_float(weight) for weight in weights]
+    return types, [_as_float(weight) for weight in _split_each(loss_weights)]
 
 
 def ref_zero_stage_problem(stage: Any) -> str | None:
@@ -209,6 +218,14 @@ class PairDPOConfig(TrainingArguments):
             "help": "Maximum prompt tokens; longer prompts keep their end (left truncation). None: 512 (prepare-data's "
             "default), or max_length // 2 when max_length <= 512, so setting only max_length (TRL has no prompt "
             "limit) stays valid."
+        },
+    )
+    apply_chat_template_to_strings: bool = field(
+        default=False,
+        metadata={
+            "help": "Render rows of plain strings with the tokenizer's chat template (the prompt as one user turn, "
+            "each completion as one assistant turn). Default False: plain strings are tokenised as raw text, as TRL "
+            "does; conversations always use the chat template."
         },
     )
     max_tokens_per_microbatch: int | None = field(
@@ -370,22 +387,43 @@ class PairDPOConfig(TrainingArguments):
     bf16: bool | None = field(  # type: ignore[assignment]  # None: config.launch.resolve_bf16 decides in __post_init__
         default=None,
         metadata={
-            "help": "bf16 mixed precision. Unset: on when an accelerator with bf16 support is used and neither fp16, "
-            "use_cpu nor an accelerate config's fp16/fp8 mixed precision is set; off on CPU."
+            "help": "bf16 mixed precision. Unset: on when the accelerate config asks for mixed_precision bf16 (also on "
+            "CPU), or when an accelerator with bf16 support is used and neither fp16, use_cpu nor an accelerate "
+            "config's fp16/fp8 is set; otherwise off. Contradicting the accelerate config: precision_mismatch."
         },
     )
 
     def __new__(cls, *args, **kwargs):
         """Rejects TRL's (and our old) option names with their equivalents before the dataclass ``__init__`` would
-        raise ``TypeError: unexpected keyword argument`` (see :mod:`pair_dpo_trainer.config.trl_names`)."""
+        raise ``TypeError: unexpected keyword argument`` (see :mod:`pair_dpo_trainer.config.trl_names`), and records
+        which options were given (:attr:`options_given`)."""
         reject_unsupported_options(kwargs, where=cls.__name__, known=config_field_names(cls))
-        return super().__new__(cls)
+        config = super().__new__(cls)
+        config.mark_options_given(kwargs)
+        return config
+
+    def mark_options_given(self, names: Sequence[str] | Any) -> None:
+        """Records the option names the user set (the constructor's keywords; ``train.py``: the flags or file keys
+        given), as opposed to defaults: a prepared dataset's limits replace default limits only."""
+        object.__setattr__(self, "_options_given", frozenset(str(name).replace("-", "_") for name in names))
+
+    @property
+    def options_given(self) -> frozenset[str]:
+        """The option names the user set (:meth:`mark_options_given`)."""
+        return getattr(self, "_options_given", frozenset())
+
+    def limits_given(self) -> bool:
+        """True when ``max_length`` or ``max_prompt_length`` was set by the user (:attr:`options_given`)."""
+        return bool({"max_length", "max_prompt_length"} & self.options_given)
 
     def __post_init__(self) -> None:
         self.loss_type, self.loss_weights = normalize_loss_fields(self.loss_type, self.loss_weights)
         if self.max_prompt_length is None and isinstance(self.max_length, int):
             self.max_prompt_length = default_max_prompt_length(self.max_length)
         raise_problems(self.option_problems(), what="PairDPOConfig")  # every problem, raised once
+        precision = precision_problem(self.bf16, fp16=self.fp16, env=os.environ)
+        if precision is not None:
+            raise ConfigError("precision_mismatch", precision)
         self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
         self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
         self.allocator = "use_cpu (the CUDA allocator is not used)" if self.use_cpu else apply_allocator_default()

@@ -1,8 +1,14 @@
 """What the launcher and the hardware decide: the bf16 default, CPU for a CPU-only multi-process launch, and the
 check that the launched processes form one job.
 
-``PairDPOConfig.__post_init__`` calls :func:`resolve_bf16` and :func:`resolve_use_cpu` before
-``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` after it.
+``PairDPOConfig.__post_init__`` calls :func:`resolve_bf16`, :func:`precision_problem` and :func:`resolve_use_cpu`
+before ``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` after it.
+
+Why the precision follows the launcher: an accelerate config's ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``)
+applies to the run whatever ``bf16`` says (``TrainingArguments`` keeps it unless ``bf16`` / ``fp16`` is set), and
+under DeepSpeed accelerate writes it into the DeepSpeed configuration, which transformers then compares with
+``bf16`` and refuses with a bare ``ValueError`` once the model is loaded. So an unset ``bf16`` follows the launcher
+(bf16 on CPU too), and an explicit contradiction is refused at once (``precision_mismatch``).
 
 Why the last two exist: on a machine without an accelerator, ``torchrun --nproc_per_node 2 train.py`` (and
 ``accelerate launch`` with a DDP config, which runs torchrun) starts processes that accelerate's ``PartialState``
@@ -30,10 +36,11 @@ _OTHER_PRECISIONS = ("fp16", "fp8")
 def resolve_bf16(bf16: bool | None, *, fp16: bool, use_cpu: bool, env: Mapping[str, str]) -> bool:
     """The value of ``bf16`` when the user left it unset (``None``), else the user's value.
 
-    Unset, bf16 mixed precision is on exactly when the run can use it and nothing else was asked for: not ``fp16``,
-    not ``use_cpu``, an accelerator with bf16 support (transformers' ``is_torch_bf16_gpu_available``, the check
-    ``TrainingArguments`` itself applies to ``bf16=True``), and no other precision from the launcher
-    (``ACCELERATE_MIXED_PRECISION`` ``fp16`` / ``fp8`` from an accelerate config). CPU runs stay float32.
+    Unset, bf16 mixed precision is on when the launcher asks for it (``ACCELERATE_MIXED_PRECISION=bf16`` from an
+    accelerate config, also on CPU: see the module docstring), and otherwise exactly when the run can use it and
+    nothing else was asked for: not ``fp16``, not ``use_cpu``, an accelerator with bf16 support (transformers'
+    ``is_torch_bf16_gpu_available``, the check ``TrainingArguments`` itself applies to ``bf16=True``), and no other
+    precision from the launcher (``fp16`` / ``fp8``). Other CPU runs stay float32.
 
     Args:
         bf16: The configured value; ``None`` means unset.
@@ -43,9 +50,34 @@ def resolve_bf16(bf16: bool | None, *, fp16: bool, use_cpu: bool, env: Mapping[s
     """
     if bf16 is not None:
         return bool(bf16)
-    if fp16 or use_cpu or env.get("ACCELERATE_MIXED_PRECISION", "no").lower() in _OTHER_PRECISIONS:
+    launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launcher == "bf16" and not fp16:
+        return True
+    if fp16 or use_cpu or launcher in _OTHER_PRECISIONS:
         return False
     return bool(is_torch_bf16_gpu_available())
+
+
+def precision_problem(bf16: bool | None, *, fp16: bool, env: Mapping[str, str]) -> str | None:
+    """Why the configured precision contradicts the launcher's (``ACCELERATE_MIXED_PRECISION``), or None.
+
+    Args:
+        bf16: The configured ``bf16`` (None: unset, it follows the launcher).
+        fp16: The configured ``fp16``.
+        env: The process environment.
+    """
+    launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launcher == "bf16" and (bf16 is False or fp16):
+        asked = "fp16=True" if fp16 else "bf16=False"
+    elif launcher in _OTHER_PRECISIONS and bf16:
+        asked = "bf16=True"
+    else:
+        return None
+    return (
+        f"the launcher's accelerate config asks for mixed_precision {launcher} (ACCELERATE_MIXED_PRECISION), but the "
+        f"run sets {asked}: leave bf16 / fp16 unset to follow the launcher, or set mixed_precision to match in the "
+        "accelerate config (mixed_precision: 'no' for float32)."
+    )
 
 
 def launcher_world_size(env: Mapping[str, str]) -> int:

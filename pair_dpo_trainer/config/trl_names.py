@@ -65,10 +65,14 @@ RENAMED_OPTIONS: dict[str, str] = {
     "precompute_ref_logps": "precompute_ref_log_probs (renamed to TRL's name)",
 }
 
+# Our own earlier objective names (loss_type values), refused with TRL's name for the same formula.
+RENAMED_LOSS_TYPES: dict[str, str] = {
+    "ipo_norm": "'ipo' (TRL's per-token IPO, the same formula; the summed form of the IPO paper is 'ipo_sum')",
+}
+
 # Keyword arguments of TRL's DPOTrainer (or transformers' Trainer) that PairDPOTrainer does not take.
 TRAINER_KWARG_EQUIVALENTS: dict[str, str] = {
     "tokenizer": "processing_class=tokenizer",
-    "peft_config": "wrap the model first: model = peft.get_peft_model(model, peft_config), then pass model=",
     "quantization_config": "load the quantised model yourself (from_pretrained(DIR, quantization_config=...)) and "
     "pass model=",
     "data_collator": "none: the packed pair collator is built in; remove it",

@@ -75,6 +75,7 @@ class ChunkResult:
         examples: The chunk's first message per reason code.
         first_error: ``(reason_code, message)`` of its first rejected row, else None.
         num_truncated: Accepted pairs that were cut to the limits.
+        renderings: Accepted rows per rendering (``data.tokenize.RENDERINGS``; empty for pre-tokenised rows).
     """
 
     index: int
@@ -84,6 +85,7 @@ class ChunkResult:
     examples: dict[str, str]
     first_error: tuple[str, str] | None
     num_truncated: int
+    renderings: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class PairConverter:
         encode: The :data:`Encoder` of the accepted rows.
         keep_pairs: The encoder needs the normalised pairs (``result.pairs``).
         source: The dataset that :class:`~pair_dpo_trainer.data.streams.RowRange` chunks index into.
+        apply_chat_template_to_strings: Render plain-string rows with the chat template (else raw text).
     """
 
     tokenizer: Any
@@ -108,6 +111,7 @@ class PairConverter:
     encode: Encoder = encode_ids
     keep_pairs: bool = False
     source: Any = field(default=None, compare=False)
+    apply_chat_template_to_strings: bool = False
 
     def __call__(self, chunk: Chunk) -> ChunkResult:
         rows = chunk_rows(chunk.payload, self.source)
@@ -120,7 +124,14 @@ class PairConverter:
         if self.tokenizer is None:
             result = truncate_dataset(rows, **self.limits, **options)
         else:
-            result = tokenize_dataset(rows, self.tokenizer, **self.limits, keep_pairs=self.keep_pairs, **options)
+            result = tokenize_dataset(
+                rows,
+                self.tokenizer,
+                **self.limits,
+                keep_pairs=self.keep_pairs,
+                apply_chat_template_to_strings=self.apply_chat_template_to_strings,
+                **options,
+            )
         return ChunkResult(
             index=chunk.index,
             num_rows=result.num_rows,
@@ -129,6 +140,7 @@ class PairConverter:
             examples=result.examples,
             first_error=result.first_error,
             num_truncated=result.num_truncated,
+            renderings=result.renderings,
         )
 
 
@@ -145,6 +157,7 @@ class Tally:
     num_accepted: int = 0
     num_truncated: int = 0
     rejections: Counter[str] = field(default_factory=Counter)
+    renderings: Counter[str] = field(default_factory=Counter)
     examples: dict[str, str] = field(default_factory=dict)
     first_error: tuple[str, str] | None = None
     started: float = field(default_factory=time.perf_counter)
@@ -161,6 +174,7 @@ class Tally:
         self.num_accepted += result.batch.num_rows
         self.num_truncated += result.num_truncated
         self.rejections.update(result.rejections)
+        self.renderings.update(result.renderings)
         for code, message in result.examples.items():
             self.examples.setdefault(code, message)
         self.first_error = self.first_error or result.first_error

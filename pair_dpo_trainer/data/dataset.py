@@ -36,7 +36,33 @@ def is_tokenized(dataset: Any) -> bool:
     return all(column in columns for column in FEATURE_COLUMNS)
 
 
-def as_pair_dataset(
+RENDERING_WORDS = {
+    "strings_raw": "raw text ({n} plain-string rows, no chat template)",
+    "strings_templated": "chat template ({n} plain-string rows, apply_chat_template_to_strings)",
+    "conversations": "chat template ({n} conversations)",
+}
+"""How :func:`rendering_summary` names each rendering (``data.tokenize.RENDERINGS``)."""
+
+
+def rendering_summary(renderings: Mapping[str, int]) -> str:
+    """How a dataset's rows became tokens, in words (the run summary's ``train: ...``).
+
+    Example:
+        >>> rendering_summary({"strings_raw": 16, "conversations": 2})
+        'raw text (16 plain-string rows, no chat template) + chat template (2 conversations)'
+        >>> rendering_summary({})
+        'pre-tokenised ids'
+    """
+    parts = [RENDERING_WORDS[name].format(n=renderings[name]) for name in RENDERING_WORDS if renderings.get(name)]
+    return " + ".join(parts) if parts else "pre-tokenised ids"
+
+
+def as_pair_dataset(dataset: Any, tokenizer: Any, **options: Any) -> Any:
+    """The tokenised pairs of ``dataset`` (:func:`pair_dataset_and_rendering` without the renderings)."""
+    return pair_dataset_and_rendering(dataset, tokenizer, **options)[0]
+
+
+def pair_dataset_and_rendering(
     dataset: Any,
     tokenizer: Any,
     *,
@@ -48,8 +74,10 @@ def as_pair_dataset(
     num_proc: int = 1,
     cache_dir: str | None = None,
     once: OncePerNode = in_this_process,
-) -> Any:
-    """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``.
+    apply_chat_template_to_strings: bool = False,
+) -> tuple[Any, dict[str, str]]:
+    """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``, and how each
+    dataset's rows were rendered (``desc`` -> :func:`rendering_summary`; one entry per named eval set).
 
     Strict: the first malformed (or, once truncated, invalid) row raises its ``PreferenceRowError`` naming it by its
     0-based index (``pair-dpo prepare-data`` drops and counts bad rows instead). Raw rows and pre-tokenised
@@ -68,28 +96,31 @@ def as_pair_dataset(
         num_proc: Worker processes that convert rows (on the node's local main process).
         cache_dir: Root of the tokenised-pairs cache (None: :func:`~pair_dpo_trainer.data.cache.default_cache_dir`).
         once: Runs a conversion once per node (``parallel.node.Node.once``); default: in this process.
+        apply_chat_template_to_strings: Render plain-string rows with the chat template instead of as raw text.
 
     Returns:
-        A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows); pre-tokenised
-        input that needed no truncation is returned as it is.
+        A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows; a dict of
+        them for a dict of eval sets); pre-tokenised input that needed no truncation is returned as it is. With it,
+        ``{desc: rendering}``.
 
     Raises:
-        ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` for a prepared split that does not fit
-            the run (see :mod:`pair_dpo_trainer.data.prepared`); ``dataset_cache_unwritable``.
+        ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` / ``rendering_mismatch`` for a
+            prepared split that does not fit the run (see :mod:`pair_dpo_trainer.data.prepared`);
+            ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
-    limits: dict[str, Any] = {
-        "max_length": max_length,
-        "max_prompt_length": max_prompt_length,
-        "max_tokens_per_microbatch": max_tokens_per_microbatch,
-    }
-    options: dict[str, Any] = {"progress": progress, "num_proc": num_proc, "cache_dir": cache_dir, "once": once}
+    limits: dict[str, Any] = dict(max_length=max_length, max_prompt_length=max_prompt_length)
+    limits["max_tokens_per_microbatch"] = max_tokens_per_microbatch
+    options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
+    options["apply_chat_template_to_strings"] = apply_chat_template_to_strings
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
-        return {
-            name: as_pair_dataset(part, tokenizer, **limits, **options, desc=f"{desc} {name!r}")
-            for name, part in dataset.items()
+        converted = {
+            name: _one_dataset(part, tokenizer, limits, f"{desc} {name!r}", **options) for name, part in dataset.items()
         }
-    return _one_dataset(dataset, tokenizer, limits, desc, **options)
+        renderings = {f"{desc} {name!r}": rendering for name, (_, rendering) in converted.items()}
+        return {name: pairs for name, (pairs, _) in converted.items()}, renderings
+    pairs, rendering = _one_dataset(dataset, tokenizer, limits, desc, **options)
+    return pairs, {desc: rendering}
 
 
 def _one_dataset(
@@ -102,19 +133,27 @@ def _one_dataset(
     num_proc: int,
     cache_dir: str | None,
     once: OncePerNode,
-) -> Any:
-    """:func:`as_pair_dataset` of one dataset."""
+    apply_chat_template_to_strings: bool,
+) -> tuple[Any, str]:
+    """:func:`pair_dataset_and_rendering` of one dataset: its pairs and its rendering in words."""
+    rendering = None
     if isinstance(dataset, PreparedSplit):
-        dataset.check(tokenizer, max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"])
+        rendering = f"prepared in {dataset.directory} ({rendering_summary(dataset.renderings)})"
+        dataset.check(
+            tokenizer,
+            max_length=limits["max_length"],
+            max_prompt_length=limits["max_prompt_length"],
+            apply_chat_template_to_strings=apply_chat_template_to_strings,
+        )
         if dataset.prepared_with(max_length=limits["max_length"], max_prompt_length=limits["max_prompt_length"]):
             check_budget(dataset.rows, limits, desc)  # the rows are within these limits already: nothing to cut
             _log_truncation(desc, 0, len(dataset.rows), limits)
-            return dataset.rows
+            return dataset.rows, rendering
         dataset = dataset.rows
     if is_tokenized(dataset) and not is_arrow_dataset(dataset):
         result = truncate_dataset(dataset, **limits, strict=True, desc=desc)
         _log_truncation(desc, result.num_truncated, result.num_accepted, limits)
-        return dataset if result.num_truncated == 0 else result.features
+        return (dataset if result.num_truncated == 0 else result.features), rendering or rendering_summary({})
     built = build_pairs(
         dataset,
         tokenizer,
@@ -125,9 +164,20 @@ def _one_dataset(
         cache=PairCache(cache_dir),
         once=once,
         progress=progress,
+        apply_chat_template_to_strings=apply_chat_template_to_strings,
     )
     _log_truncation(desc, built.num_truncated, built.num_rows, limits)
-    return built.dataset
+    return built.dataset, rendering or rendering_summary(built.renderings)
+
+
+def prepared_limits(datasets: Any) -> tuple[int, int] | None:
+    """``(max_length, max_prompt_length)`` of the first ``prepare-data`` split among ``datasets`` (None if none)."""
+    for dataset in datasets:
+        parts = dataset.values() if isinstance(dataset, Mapping) else [dataset]
+        for part in parts:
+            if isinstance(part, PreparedSplit):
+                return part.limits
+    return None
 
 
 def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:

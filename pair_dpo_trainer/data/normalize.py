@@ -51,9 +51,10 @@ class PreferencePair:
         prompt_messages: The shared prompt turns (at least one), each ``{"role": ..., "content": ...}``.
         chosen_messages: The preferred completion turns after the prompt; the last one is an assistant turn.
         rejected_messages: The dispreferred completion turns; the last one is an assistant turn.
-        plain_text: The row gave ``prompt``, ``chosen`` and ``rejected`` as three plain strings (shape 1). A tokenizer
-            without a chat template then tokenises it by concatenation; rows of the other shapes need a template.
-            Not part of equality: it says how the row was written, not what the pair holds.
+        plain_text: The row gave ``prompt``, ``chosen`` and ``rejected`` as three plain strings (shape 1), or two
+            strings whose shared prefix is the prompt: it is tokenised as raw text (TRL's way) unless the run asks
+            for the chat template on strings; rows of the other shapes need a template. Not part of equality: it
+            says how the row was written, not what the pair holds.
 
     Example:
         >>> pair = normalize_row({"prompt": "2+2?", "chosen": "4", "rejected": "5"})
@@ -106,11 +107,15 @@ def prompt_hash(pair: PreferencePair) -> str:
     return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
 
 
-def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
+def normalize_row(row: Mapping[str, Any], *, chat_strings: bool = False) -> PreferencePair:
     """Validates one row of any supported shape and returns its :class:`PreferencePair`.
 
     Args:
-        row: A mapping with ``chosen``, ``rejected`` and (except for Anthropic-HH transcripts) ``prompt``.
+        row: A mapping with ``chosen``, ``rejected`` and usually ``prompt``; without ``prompt`` the prompt is the
+            shared prefix of ``chosen`` and ``rejected`` (TRL 1.16's ``extract_prompt``: :func:`implicit_prompt`).
+        chat_strings: The run renders plain strings with the chat template
+            (``apply_chat_template_to_strings``): an Anthropic-HH transcript pair is then split into its turns
+            instead of at the shared character prefix.
 
     Returns:
         The normalised pair; the completions hold only the turns after the prompt.
@@ -132,8 +137,8 @@ def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
         ({'role': 'assistant', 'content': 'Lyon.'},)
         >>> hh = normalize_row({"chosen": "\\n\\nHuman: Hi\\n\\nAssistant: Hello!",
         ...                     "rejected": "\\n\\nHuman: Hi\\n\\nAssistant: Go away."})
-        >>> hh.prompt_messages, hh.chosen_messages
-        (({'role': 'user', 'content': 'Hi'},), ({'role': 'assistant', 'content': 'Hello!'},))
+        >>> hh.prompt_messages[0]["content"], hh.chosen_messages[0]["content"], hh.plain_text
+        ('\\n\\nHuman: Hi\\n\\nAssistant:', ' Hello!', True)
     """
     if isinstance(row, UnreadableRow):
         raise PreferenceRowError(row.reason_code, row.message)
@@ -144,22 +149,88 @@ def normalize_row(row: Mapping[str, Any]) -> PreferencePair:
             f"the row is a {type(row).__name__}, not an object; give each row as a JSON object "
             "with 'prompt', 'chosen' and 'rejected'.",
         )
+    if "messages" in row and row.get("chosen") is None and row.get("rejected") is None:
+        raise PreferenceRowError(
+            "schema",
+            "the row has 'messages' but no 'chosen' / 'rejected': a conversation is SFT data, not a preference "
+            "pair (TRL's DPOTrainer refuses it too); give 'chosen' and 'rejected' (and optionally 'prompt').",
+        )
     chosen = _required_text_or_list(row, "chosen")
     rejected = _required_text_or_list(row, "rejected")
     prompt = row.get("prompt")
     if prompt is None:
-        if isinstance(chosen, str) and isinstance(rejected, str):
-            return _from_transcripts(chosen, rejected)
-        raise PreferenceRowError(
-            "schema",
-            "the row has no 'prompt' field and 'chosen'/'rejected' are not both Anthropic-HH transcript "
-            "strings; add a 'prompt' (string or list of messages).",
-        )
+        return implicit_prompt(chosen, rejected, chat_strings=chat_strings)
     prompt_messages = _prompt_messages(prompt)
     chosen_messages = _completion_messages(chosen, "chosen", prompt_messages)
     rejected_messages = _completion_messages(rejected, "rejected", prompt_messages)
     plain = isinstance(prompt, str) and isinstance(chosen, str) and isinstance(rejected, str)
     return PreferencePair(prompt_messages, chosen_messages, rejected_messages, plain_text=plain)
+
+
+def shared_prefix_length(chosen: Sequence[Any], rejected: Sequence[Any]) -> int:
+    """Where TRL 1.16's ``extract_prompt`` (``trl/data_utils.py``) cuts the prompt off ``chosen`` and ``rejected``.
+
+    The first index at which they differ (for strings one step earlier when the character before it is a space, so
+    the completions keep their leading space); when one is a prefix of the other (or they are equal) the last shared
+    element is moved into both completions (``min(len) - 1``). 0 means there is no shared prompt.
+
+    Example:
+        >>> shared_prefix_length("The sky is blue.", "The sky is green."), shared_prefix_length("abc", "abcd")
+        (10, 2)
+    """
+    length = min(len(chosen), len(rejected))
+    for index in range(length):
+        if chosen[index] != rejected[index]:
+            return index - 1 if index > 0 and chosen[index - 1] == " " else index
+    return max(length - 1, 0)
+
+
+def implicit_prompt(
+    chosen: str | Sequence[Any], rejected: str | Sequence[Any], *, chat_strings: bool = False
+) -> PreferencePair:
+    """The pair of a row without ``prompt``: the prompt is the shared prefix of ``chosen`` and ``rejected`` (whole
+    messages for conversations, characters for strings: :func:`shared_prefix_length`), the completions the rest.
+
+    Raises:
+        PreferenceRowError: ``prefix_mismatch`` when they share no prefix; ``schema`` for a string next to a list;
+            the completion checks of :func:`normalize_row`.
+    """
+    if isinstance(chosen, str) != isinstance(rejected, str):
+        raise PreferenceRowError(
+            "schema",
+            "the row has no 'prompt' and one of 'chosen' / 'rejected' is a string, the other a list of messages: "
+            "give both as strings or both as conversations (the shared prefix becomes the prompt), or add 'prompt'.",
+        )
+    for field_name, value in (("chosen", chosen), ("rejected", rejected)):
+        if not value:
+            raise PreferenceRowError("empty_completion", f"'{field_name}' is empty; give the response.")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        _check_text(chosen, "'chosen'")
+        _check_text(rejected, "'rejected'")
+        if chat_strings and _is_transcript(chosen) and _is_transcript(rejected):
+            return _from_transcripts(chosen, rejected)
+    cut = shared_prefix_length(chosen, rejected)
+    if cut == 0:
+        what = "characters" if isinstance(chosen, str) else "messages"
+        raise PreferenceRowError(
+            "prefix_mismatch",
+            f"the row has no 'prompt' and 'chosen' / 'rejected' share no leading {what} to take as the prompt: add "
+            "a 'prompt' field, or repeat the prompt at the start of both.",
+        )
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        prompt_messages: tuple[Message, ...] = ({"role": "user", "content": chosen[:cut]},)
+        chosen_messages = _completion_messages(chosen[cut:], "chosen", prompt_messages)
+        rejected_messages = _completion_messages(rejected[cut:], "rejected", prompt_messages)
+        return PreferencePair(prompt_messages, chosen_messages, rejected_messages, plain_text=True)
+    prompt_messages = _messages(chosen[:cut], "chosen")
+    chosen_messages = _completion_turns(_messages(chosen[cut:], "chosen"), "chosen")
+    rejected_messages = _completion_turns(_messages(rejected[cut:], "rejected"), "rejected")
+    return PreferencePair(prompt_messages, chosen_messages, rejected_messages)
+
+
+def _completion_turns(turns: tuple[Message, ...], field: str) -> tuple[Message, ...]:
+    _check_completion(turns, field)
+    return turns
 
 
 def _check_depth(row: Any) -> None:
@@ -312,9 +383,12 @@ class _Transcript:
     completion: tuple[Message, ...]
 
 
+def _is_transcript(text: str) -> bool:
+    """True for an Anthropic-HH transcript (``"\\n\\nHuman: ..."``)."""
+    return text.lstrip().startswith("Human:")
+
+
 def _from_transcripts(chosen: str, rejected: str) -> PreferencePair:
-    _check_text(chosen, "'chosen'")
-    _check_text(rejected, "'rejected'")
     chosen_split = _split_transcript(chosen, "chosen")
     rejected_split = _split_transcript(rejected, "rejected")
     if chosen_split.prompt != rejected_split.prompt:

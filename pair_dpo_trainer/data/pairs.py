@@ -14,7 +14,7 @@ import logging
 import math
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ class BuiltPairs:
         num_truncated: Pairs cut to the limits.
         entry: The cache entry.
         here: This process converted the rows (False: a cache hit, or the node's local main converted them).
+        renderings: Pairs per rendering (``data.tokenize.RENDERINGS``; empty for pre-tokenised rows).
     """
 
     dataset: Any
@@ -56,6 +57,7 @@ class BuiltPairs:
     num_truncated: int
     entry: CacheEntry
     here: bool
+    renderings: Mapping[str, int] = field(default_factory=dict)
 
 
 def build_pairs(
@@ -69,6 +71,7 @@ def build_pairs(
     cache: PairCache,
     once: OncePerNode = in_this_process,
     progress: bool = False,
+    apply_chat_template_to_strings: bool = False,
 ) -> BuiltPairs:
     """Tokenised pairs of ``dataset`` within ``limits``, converted once per node (module docstring).
 
@@ -82,17 +85,27 @@ def build_pairs(
         cache: Where entries live.
         once: Runs the conversion once per node (who converts, who waits); default: in this process.
         progress: Show a progress bar (rows/s) on stderr while converting.
+        apply_chat_template_to_strings: Render plain-string rows with the chat template (part of the cache key).
 
     Raises:
         PreferenceRowError: The first bad row, on every rank of the node.
         ConfigError: ``dataset_cache_unwritable``.
     """
+    strings = apply_chat_template_to_strings and not tokenized
     fingerprint = _fingerprint(dataset)
     if fingerprint is None:  # rows that do not pickle (e.g. nested past the recursion limit): no cache, no sharing
-        return _convert_in_memory(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
-    key = _cache_key(fingerprint, None if tokenized else tokenizer, limits)
+        return _convert_in_memory(dataset, tokenizer, limits, tokenized=tokenized, desc=desc, strings=strings)
+    key = _cache_key(fingerprint, None if tokenized else tokenizer, limits, strings=strings)
     build = functools.partial(
-        _write_pairs, dataset, tokenizer, limits, tokenized=tokenized, desc=desc, num_proc=num_proc, progress=progress
+        _write_pairs,
+        dataset,
+        tokenizer,
+        limits,
+        tokenized=tokenized,
+        desc=desc,
+        num_proc=num_proc,
+        progress=progress,
+        strings=strings,
     )
     entry, ran_here = once(lambda: cache.get_or_build(key, build, num_proc=num_proc))
     here = ran_here and entry.built_here
@@ -102,10 +115,13 @@ def build_pairs(
     result = entry.meta["result"]
     pairs = dataset if entry.arrow_path is None else open_arrow(entry.arrow_path)
     _log(desc, entry, here)
-    return BuiltPairs(pairs, int(result["rows"]), int(result["num_truncated"]), entry, here)
+    renderings = result.get("renderings", {})
+    return BuiltPairs(pairs, int(result["rows"]), int(result["num_truncated"]), entry, here, renderings)
 
 
-def _cache_key(fingerprint: str, tokenizer: Any, limits: Mapping[str, Any]) -> dict[str, Any]:
+def _cache_key(fingerprint: str, tokenizer: Any, limits: Mapping[str, Any], *, strings: bool) -> dict[str, Any]:
+    """What a cache entry is valid for: the rows, the tokenizer, the limits and how plain strings are rendered
+    (``"raw"`` text or through the ``"chat_template"``)."""
     from pair_dpo_trainer.version import __version__
 
     return {
@@ -115,6 +131,7 @@ def _cache_key(fingerprint: str, tokenizer: Any, limits: Mapping[str, Any]) -> d
         "rows": fingerprint,
         "tokenizer": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
         "limits": {name: limits[name] for name in sorted(limits)},
+        "strings": None if tokenizer is None else ("chat_template" if strings else "raw"),
     }
 
 
@@ -133,26 +150,29 @@ def _fingerprint(dataset: Any) -> str | None:
         return None
 
 
-def _converter(dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str):
+def _converter(dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str, strings: bool):
     """The chunk converter of ``dataset`` and the schema of what it writes."""
     if tokenized:
         schema = dataset.features.arrow_schema
         return PairConverter(None, limits, desc, encode=KeepColumns(schema), source=dataset), schema
-    return PairConverter(tokenizer, limits, desc, encode=encode_ids, source=dataset), IDS_SCHEMA
+    converter = PairConverter(
+        tokenizer, limits, desc, encode=encode_ids, source=dataset, apply_chat_template_to_strings=strings
+    )
+    return converter, IDS_SCHEMA
 
 
 def _convert_in_memory(
-    dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str
+    dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str, strings: bool
 ) -> BuiltPairs:
     """Converts ``dataset`` in this process into an in-memory Arrow dataset (no cache, no workers)."""
     import datasets
 
-    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
+    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc, strings=strings)
     tally = Tally(strict=True)
     batches = [r.batch for r in convert_chunks(converter, range_chunks(len(dataset)), num_proc=1, tally=tally)]
     pairs = datasets.Dataset(pa.Table.from_batches(batches, schema=schema))
     entry = CacheEntry(Path(), {"result": {"arrow": None}, "created_by": {}}, built_here=True)
-    return BuiltPairs(pairs, tally.num_accepted, tally.num_truncated, entry, here=True)
+    return BuiltPairs(pairs, tally.num_accepted, tally.num_truncated, entry, True, dict(tally.renderings))
 
 
 def _write_pairs(
@@ -165,9 +185,10 @@ def _write_pairs(
     desc: str,
     num_proc: int,
     progress: bool,
+    strings: bool,
 ) -> dict[str, Any]:
     """Converts every row into ``directory / pairs.arrow``; returns the entry's ``result`` (runs on the local main)."""
-    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc)
+    converter, schema = _converter(dataset, tokenizer, limits, tokenized=tokenized, desc=desc, strings=strings)
     chunks = range_chunks(len(dataset))
     workers = max(1, min(num_proc, math.ceil(len(dataset) / CHUNK_ROWS)))
     tally = Tally(strict=True)
@@ -190,6 +211,7 @@ def _write_pairs(
         "num_truncated": tally.num_truncated,
         "size": 0 if unchanged else written.size,
         "sha256": None if unchanged else written.sha256,
+        "renderings": {name: tally.renderings[name] for name in sorted(tally.renderings)},
     }
 
 

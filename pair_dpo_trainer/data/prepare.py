@@ -1,6 +1,6 @@
 """``pair-dpo prepare-data``: normalise, tokenise and split preference data into a reproducible directory.
 
-``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH --train-size N --eval-size M --seed S``
+``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH [--train-size N] [--eval-size M] [--seed S]``
 
 Details: docs/architecture.md, "Module notes", ``data/prepare.py``.
 """
@@ -30,6 +30,10 @@ from pair_dpo_trainer.data.prepared import MANIFEST_FORMAT
 from pair_dpo_trainer.data.readers import FORMATS, input_format, sha256_file
 from pair_dpo_trainer.data.splits import split_by_prompt, split_groups
 from pair_dpo_trainer.data.workers import resolve_num_proc
+
+DEFAULT_SEED = 42
+"""``--seed`` when not given: ``TrainingArguments``' default seed, so ``--eval-size M`` holds out the pairs that
+``train.py --dataset FILE --eval_size M`` holds out from the same file."""
 
 OUTPUT_FILES: tuple[str, ...] = ("train.jsonl", "eval.jsonl", "train.arrow", "eval.arrow", "manifest.json")
 CANDIDATES = ".candidates.arrow"  # inside the staging directory only
@@ -85,6 +89,7 @@ def prepare(args: argparse.Namespace) -> PrepareReport:
     Raises:
         UsageError / InputError / PairDPOError: a usage or input problem (the output directory is left untouched).
     """
+    args = _resolve_defaults(args)
     _check_args(args)
     output = _check_output(Path(args.output), overwrite=args.overwrite)
     loaded = _load_tokenizer(args.tokenizer)
@@ -127,9 +132,28 @@ def select_split(candidates: list[Candidate], *, train_size: int, eval_size: int
     return Split(train=train_rows, eval=eval_rows)
 
 
+def _resolve_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """The options with their defaults filled in: the prompt limit by the trainer's rule
+    (:func:`~pair_dpo_trainer.config.arguments.default_max_prompt_length`), the optional fields that a namespace built
+    by hand may lack."""
+    from pair_dpo_trainer.config.arguments import default_max_prompt_length
+
+    values = {
+        "train_size": None,
+        "eval_size": 0,
+        "seed": DEFAULT_SEED,
+        "max_prompt_length": None,
+        "apply_chat_template_to_strings": False,
+        **vars(args),
+    }
+    if values["max_prompt_length"] is None and isinstance(values["max_length"], int):
+        values["max_prompt_length"] = default_max_prompt_length(values["max_length"])
+    return argparse.Namespace(**values)
+
+
 def _check_args(args: argparse.Namespace) -> None:
-    if args.train_size < 1:
-        raise UsageError(f"--train-size={args.train_size}: select at least 1 train pair.")
+    if args.train_size is not None and args.train_size < 1:
+        raise UsageError(f"--train-size={args.train_size}: select at least 1 train pair (or leave it unset: all).")
     if args.eval_size < 0:
         raise UsageError(f"--eval-size={args.eval_size}: must be >= 0.")
     if args.max_length < 2:
@@ -206,6 +230,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any, candidates: Path) -> Rea
         strict=args.strict,
         num_proc=resolve_num_proc(args.num_proc),
         progress=None if args.disable_tqdm else _progress_bar,
+        apply_chat_template_to_strings=args.apply_chat_template_to_strings,
     )
 
 
@@ -217,8 +242,10 @@ def _progress_bar(name: str, total: int) -> Any:
 
 def _select(groups: PromptGroups, read: ReadResult, args: argparse.Namespace) -> Selection:
     """The split of the candidates (their numbers, ascending), or the shortfall as a ``UsageError``."""
-    train, eval_ = split_groups(groups.group_of_row, groups.keys, train_size=args.train_size, eval_size=args.eval_size)
-    if len(train) < args.train_size or len(eval_) < args.eval_size:
+    valid = len(groups.group_of_row)
+    train_size = args.train_size if args.train_size is not None else max(valid - args.eval_size, 0)
+    train, eval_ = split_groups(groups.group_of_row, groups.keys, train_size=train_size, eval_size=args.eval_size)
+    if len(train) < max(train_size, 1) or len(eval_) < args.eval_size:
         raise UsageError(_shortfall_message(args, read, groups))
     return Selection(train=np.sort(train), eval=np.sort(eval_))
 
@@ -231,8 +258,8 @@ def rejection_counts(counter: Counter[str]) -> str:
 
 
 def _shortfall_message(args: argparse.Namespace, read: ReadResult, groups: PromptGroups) -> str:
-    need = args.train_size + args.eval_size
     valid, tally = len(groups.group_of_row), read.tally
+    need = (args.train_size if args.train_size is not None else max(valid - args.eval_size, 1)) + args.eval_size
     if valid < need:
         rejected = sum(tally.rejections.values())
         hint = f" First rejection: {tally.first_rejection}" if tally.first_rejection else ""
@@ -241,9 +268,10 @@ def _shortfall_message(args: argparse.Namespace, read: ReadResult, groups: Promp
             f"--train-size + --eval-size = {need}; lower the sizes or add data.{hint}"
         )
     prompts = groups.count()
+    train = "the other" if args.train_size is None else str(args.train_size)
     return (
         f"{valid} valid pairs share {prompts} distinct prompts; grouped by prompt they cannot fill "
-        f"{args.train_size} train + {args.eval_size} eval pairs without a prompt in both splits; "
+        f"{train} train + {args.eval_size} eval pairs without a prompt in both splits; "
         "lower the sizes."
     )
 
@@ -261,11 +289,13 @@ def _manifest(
         "accepted": read.tally.num_accepted,
         "rejections": {code: read.tally.rejections[code] for code in sorted(read.tally.rejections)},
         "seed": args.seed,
-        "train_size": args.train_size,
+        "train_size": len(split.train),
         "eval_size": args.eval_size,
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "apply_chat_template_to_strings": args.apply_chat_template_to_strings,
+        "renderings": {name: read.tally.renderings[name] for name in sorted(read.tally.renderings)},
         "tokenizer": tokenizer_info,
         "splits": {
             name: {"pairs": len(rows), "prompts": groups.count(rows)}

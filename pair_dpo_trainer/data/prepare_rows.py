@@ -152,6 +152,7 @@ def read_inputs(
     strict: bool,
     num_proc: int,
     progress: Callable[[str, int], Any] | None = None,
+    apply_chat_template_to_strings: bool = False,
 ) -> ReadResult:
     """Tokenises every row of every input into the candidates file (module docstring).
 
@@ -164,6 +165,7 @@ def read_inputs(
         strict: Raise the first rejected row (its ``PreferenceRowError``) instead of counting it.
         num_proc: Worker processes.
         progress: ``progress(name, total_rows)`` -> a tqdm bar for one input, or None for no bars.
+        apply_chat_template_to_strings: Render plain-string rows with the chat template (else raw text).
 
     Raises:
         InputError: An input that cannot be read (named with the line where it applies).
@@ -178,7 +180,15 @@ def read_inputs(
             head = list(itertools.islice(chunks, 2))
             read.workers = max(read.workers, num_proc if len(head) > 1 else 1)
             encode = CandidateRows(name, seed)
-            converter = PairConverter(tokenizer, limits, name, first_row=1, encode=encode, keep_pairs=True)
+            converter = PairConverter(
+                tokenizer,
+                limits,
+                name,
+                first_row=1,
+                encode=encode,
+                keep_pairs=True,
+                apply_chat_template_to_strings=apply_chat_template_to_strings,
+            )
             bar = progress(name, stream.expected_rows()) if progress is not None else None
             try:
                 for result in convert_chunks(

@@ -24,8 +24,9 @@ from pair_dpo_trainer.errors import ConfigError
 
 _REDO = "re-run `pair-dpo prepare-data` into a fresh --output directory"
 
-MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/3"
-"""The manifest format this package writes and reads (2: records the tokenizer fingerprint; 3: Arrow splits)."""
+MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/4"
+"""The manifest format this package writes and reads (2: records the tokenizer fingerprint; 3: Arrow splits; 4: how
+plain strings were rendered, ``apply_chat_template_to_strings`` and ``renderings``)."""
 
 SPLITS: tuple[str, ...] = ("train", "eval")
 
@@ -74,15 +75,27 @@ class PreparedSplit(Sequence):
     def __iter__(self) -> Iterator[dict[str, Any]]:
         return (self[i] for i in range(len(self)))
 
+    @property
+    def renderings(self) -> dict[str, int]:
+        """Accepted rows of the preparation per rendering (``data.tokenize.RENDERINGS``, all splits together)."""
+        return dict(self.manifest.get("renderings", {}))
+
+    @property
+    def limits(self) -> tuple[int, int]:
+        """``(max_length, max_prompt_length)`` the split was prepared with."""
+        return int(self.manifest["max_length"]), int(self.manifest["max_prompt_length"])
+
     def prepared_with(self, *, max_length: int, max_prompt_length: int) -> bool:
         """True when these are the limits the split was prepared with (its rows then need no truncation)."""
         return (self.manifest["max_length"], self.manifest["max_prompt_length"]) == (max_length, max_prompt_length)
 
-    def check(self, tokenizer: Any, *, max_length: int, max_prompt_length: int) -> None:
+    def check(
+        self, tokenizer: Any, *, max_length: int, max_prompt_length: int, apply_chat_template_to_strings: bool = False
+    ) -> None:
         """Refuses a run that would misread these rows (module docstring); returns when the rows fit the run.
 
         Raises:
-            ConfigError: ``tokenizer_mismatch`` or ``limits_looser_than_prepared``.
+            ConfigError: ``tokenizer_mismatch``, ``rendering_mismatch`` or ``limits_looser_than_prepared``.
         """
         recorded = self.manifest["tokenizer"]["fingerprint"]
         actual = tokenizer_fingerprint(tokenizer)
@@ -94,6 +107,7 @@ class PreparedSplit(Sequence):
                 "mean other text to this model. Run with the tokenizer it was prepared with, or re-run `pair-dpo "
                 "prepare-data ... --tokenizer <this model's directory>`.",
             )
+        self._check_rendering(apply_chat_template_to_strings)
         looser = _looser_limits(self.manifest, max_length, max_prompt_length)
         if looser:
             prepared_length, prepared_prompt = self.manifest["max_length"], self.manifest["max_prompt_length"]
@@ -105,6 +119,21 @@ class PreparedSplit(Sequence):
                 f"{max_length} --max-prompt-length {max_prompt_length}`, or set max_length <= {prepared_length}, "
                 f"max_prompt_length <= {prepared_prompt} and max_length - max_prompt_length <= "
                 f"{prepared_length - prepared_prompt}.",
+            )
+
+    def _check_rendering(self, apply_chat_template_to_strings: bool) -> None:
+        """``rendering_mismatch`` when the split holds plain-string rows rendered otherwise than the run asks."""
+        prepared = bool(self.manifest.get("apply_chat_template_to_strings", False))
+        strings = self.renderings.get("strings_raw", 0) + self.renderings.get("strings_templated", 0)
+        if strings and prepared != apply_chat_template_to_strings:
+            way = {True: "with the chat template", False: "as raw text"}
+            raise ConfigError(
+                "rendering_mismatch",
+                f"{self.directory} holds {strings} plain-string rows tokenised {way[prepared]}, but this run renders "
+                f"plain strings {way[apply_chat_template_to_strings]} (apply_chat_template_to_strings="
+                f"{apply_chat_template_to_strings}): set apply_chat_template_to_strings={prepared}, or re-run "
+                f"`pair-dpo prepare-data` {'with' if apply_chat_template_to_strings else 'without'} "
+                "--apply-chat-template-to-strings.",
             )
 
 
@@ -175,8 +204,8 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         raise ConfigError(
             "bad_manifest",
             f"{path} has format {found!r}, not {MANIFEST_FORMAT!r} (older versions recorded no tokenizer "
-            f"fingerprint, so the rows cannot be checked against this run's tokenizer, or wrote no Arrow splits); "
-            f"{_REDO}.",
+            f"fingerprint, so the rows cannot be checked against this run's tokenizer, wrote no Arrow splits, or "
+            f"rendered plain strings with the chat template without recording it); {_REDO}.",
         )
     tokenizer = manifest.get("tokenizer")
     outputs = manifest.get("outputs")
@@ -184,12 +213,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         isinstance(tokenizer, dict)
         and isinstance(tokenizer.get("fingerprint"), str)
         and all(isinstance(manifest.get(key), int) for key in ("max_length", "max_prompt_length"))
+        and isinstance(manifest.get("renderings"), dict)
         and isinstance(outputs, dict)
         and all(isinstance(outputs.get(f"{split}.arrow", {}).get("rows"), int) for split in SPLITS)
     )
     if not fields_ok:
         raise ConfigError(
             "bad_manifest",
-            f"{path} lacks tokenizer.fingerprint, max_length, max_prompt_length or the Arrow outputs; {_REDO}.",
+            f"{path} lacks tokenizer.fingerprint, max_length, max_prompt_length, renderings or the Arrow outputs; "
+            f"{_REDO}.",
         )
     return manifest

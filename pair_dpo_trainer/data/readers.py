@@ -200,8 +200,9 @@ def _load_with_datasets(path: str, fmt: str, cache_dir: str) -> Any:
 def _load_json_values(path: str) -> list[Any]:
     """Reads a JSON-lines file, or a ``.json`` array / single value, with the ``json`` module.
 
-    A line nested too deeply for the parser becomes an :class:`UnreadableRow` (``bad_json``); a line that is not
-    UTF-8 or not JSON at all fails the file (``InputError``: it is not a UTF-8 JSON-lines file).
+    A line that is not valid JSON, or nested too deeply for the parser, becomes an :class:`UnreadableRow`
+    (``bad_json``, with its line number) in its place; a line that is not UTF-8 fails the file (``InputError``: it
+    is not a UTF-8 JSON-lines file).
     """
     try:
         data = Path(path).read_bytes()
@@ -246,5 +247,5 @@ def _json_line(path: str, line: bytes, line_number: int) -> Any:
         return UnreadableRow(
             "bad_json", f"line {line_number} nests deeper than Python's json parser allows; flatten or drop it."
         )
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path}: line {line_number} is not valid JSON ({exc.msg}); fix or drop it.") from exc
+    except json.JSONDecodeError as exc:  # one bad line is one bad row (bad_json), counted like any other
+        return UnreadableRow("bad_json", f"line {line_number} is not valid JSON ({exc.msg}); fix or drop it.")

@@ -1,10 +1,14 @@
-"""Tokenise normalised preference pairs: with the tokenizer's chat template, or by concatenation without one.
+"""Tokenise normalised preference pairs: conversations with the tokenizer's chat template, plain strings as raw text.
 
-With a chat template, ``prompt_ids`` is the template applied to the prompt turns with the generation prompt (the
-assistant header); each completion is the rest of the template applied to prompt + completion turns, after checking
-that this rendering starts with ``prompt_ids`` (else ``template_not_prefix``). A completion ends with
-``eos_token_id``: if the template closes the turn with EOS followed only by whitespace tokens (e.g.
-``<|im_end|>\n``) that whitespace is dropped; if it does not emit EOS at all, EOS is appended.
+A row of plain strings is tokenised as TRL 1.16 does, by concatenation (``tokenizer(prompt)`` and
+``tokenizer(prompt + completion)``, the shared token prefix being the prompt) and never through the chat template,
+even when the tokenizer has one; ``apply_chat_template_to_strings=True`` renders it as one user turn and one assistant
+turn with the template instead. For a conversation (or strings rendered with the template), ``prompt_ids`` is the
+template applied to the prompt turns with the generation prompt (the assistant header); each completion is the rest
+of the template applied to prompt + completion turns, after checking that this rendering starts with ``prompt_ids``
+(else ``template_not_prefix``). A completion ends with ``eos_token_id``: if the template closes the turn with EOS
+followed only by whitespace tokens (e.g. ``<|im_end|>\n``) that whitespace is dropped; if it does not emit EOS at
+all, EOS is appended.
 
 Details: docs/architecture.md, "Module notes", ``data/tokenize.py``.
 """
@@ -16,7 +20,7 @@ import inspect
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -32,8 +36,19 @@ FEATURE_COLUMNS: tuple[str, str, str] = ("prompt_input_ids", "chosen_input_ids",
 # Below this many rows, tokenize_dataset(progress=None) shows no progress bar.
 PROGRESS_MIN_ROWS = 1000
 
-# Converts one input row into (its normalised pair or None, its feature dict, whether it was truncated).
-RowConverter = Callable[[Any], "tuple[PreferencePair | None, dict[str, Any], bool]"]
+# One input row -> (its normalised pair or None, its features, whether it was truncated, its rendering or None).
+RowConverter = Callable[[Any], "tuple[PreferencePair | None, dict[str, Any], bool, str | None]"]
+
+RENDERINGS: tuple[str, ...] = ("strings_raw", "strings_templated", "conversations")
+"""How a row became tokens: plain strings as raw text (TRL's way), plain strings through the chat template
+(``apply_chat_template_to_strings=True``), a conversation through the chat template."""
+
+
+def rendering_of(pair: PreferencePair, *, apply_chat_template_to_strings: bool) -> str:
+    """The :data:`RENDERINGS` entry :func:`tokenize_pair` uses for ``pair``."""
+    if not pair.plain_text:
+        return "conversations"
+    return "strings_templated" if apply_chat_template_to_strings else "strings_raw"
 
 
 @dataclass(frozen=True)
@@ -45,6 +60,8 @@ class TokenizedPair:
         chosen_ids: Tokens of the chosen completion; they end with EOS unless the completion was truncated.
         rejected_ids: Tokens of the rejected completion; same rule.
         truncated: :func:`truncate_pair` cut the prompt or a completion (not part of equality).
+        rendering: How the pair was rendered (:data:`RENDERINGS`), None for pre-tokenised ids (not part of
+            equality).
 
     Example:
         >>> tp = TokenizedPair(prompt_ids=(5, 6, 7), chosen_ids=(8, 2), rejected_ids=(9, 9, 2))
@@ -58,6 +75,7 @@ class TokenizedPair:
     chosen_ids: tuple[int, ...]
     rejected_ids: tuple[int, ...]
     truncated: bool = field(default=False, compare=False)
+    rendering: str | None = field(default=None, compare=False)
 
     @property
     def cost(self) -> int:
@@ -88,6 +106,7 @@ class TokenizationResult:
         num_truncated: Accepted pairs whose prompt or a completion was cut to the length limits.
         first_rejection: ``"[code] message"`` of the first rejected row in input order, else ``None``.
         first_error: ``(reason_code, message)`` of that row, else ``None`` (what a strict run raises).
+        renderings: Accepted rows per rendering (:data:`RENDERINGS`; empty for pre-tokenised rows).
     """
 
     features: list[dict[str, Any]]
@@ -99,6 +118,7 @@ class TokenizationResult:
     num_truncated: int = 0
     first_rejection: str | None = None
     first_error: tuple[str, str] | None = None
+    renderings: Counter[str] = field(default_factory=Counter)
 
     @property
     def num_accepted(self) -> int:
@@ -113,8 +133,9 @@ def tokenize_pair(
     max_length: int,
     max_prompt_length: int | None,
     max_tokens_per_microbatch: int | None = None,
+    apply_chat_template_to_strings: bool = False,
 ) -> TokenizedPair:
-    """Tokenises and truncates one normalised pair (chat template, or concatenation without one: module docstring).
+    """Tokenises and truncates one normalised pair (raw text or the chat template: module docstring).
 
     Args:
         pair: The normalised pair (see :func:`~pair_dpo_trainer.data.normalize.normalize_row`).
@@ -123,14 +144,16 @@ def tokenize_pair(
         max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
         max_tokens_per_microbatch: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
             of one packed micro-batch).
+        apply_chat_template_to_strings: Render a plain-string pair with the chat template (one user turn, one
+            assistant turn) instead of as raw text.
 
     Returns:
-        The pair's token ids.
+        The pair's token ids, with the rendering used.
 
     Raises:
         PreferenceRowError: ``template_not_prefix``, ``template_error``, ``empty_completion``,
-            ``identical_after_truncation``, ``pair_too_long``; without a chat template ``no_chat_template`` (a
-            message row) or ``empty_prompt``.
+            ``identical_after_truncation``, ``pair_too_long``, ``empty_prompt`` (raw text); without a chat template
+            ``no_chat_template`` (a conversation, or strings with ``apply_chat_template_to_strings``).
         ConfigError: ``bad_length`` for a non-positive length, or a tokenizer without ``eos_token_id``.
 
     Example:
@@ -142,13 +165,15 @@ def tokenize_pair(
     """
     _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
     eos = _eos_token_id(tokenizer)
-    if not has_chat_template(tokenizer):
+    rendering = rendering_of(pair, apply_chat_template_to_strings=apply_chat_template_to_strings)
+    if rendering == "strings_raw":
         prompt_ids, chosen, rejected = _concatenated_ids(tokenizer, pair, eos)
     else:
+        _require_chat_template(tokenizer, rendering)
         prompt_ids = _encode(tokenizer, pair.prompt_messages, add_generation_prompt=True, what="the prompt")
         chosen = _completion_ids(tokenizer, pair.prompt_messages, pair.chosen_messages, prompt_ids, eos, "chosen")
         rejected = _completion_ids(tokenizer, pair.prompt_messages, pair.rejected_messages, prompt_ids, eos, "rejected")
-    return truncate_pair(
+    truncated = truncate_pair(
         prompt_ids,
         chosen,
         rejected,
@@ -156,6 +181,7 @@ def tokenize_pair(
         max_prompt_length=max_prompt_length,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
     )
+    return replace(truncated, rendering=rendering)
 
 
 def truncate_pair(
@@ -228,8 +254,9 @@ def tokenize_dataset(
     progress: bool | None = None,
     desc: str = "dataset",
     first_row: int = 0,
+    apply_chat_template_to_strings: bool = False,
 ) -> TokenizationResult:
-    """Normalises and tokenises every row, counting rejected rows per reason code.
+    """Normalises and tokenises every row, counting rejected rows per reason code and accepted rows per rendering.
 
     Args:
         dataset_or_rows: A ``datasets.Dataset`` or any iterable of row mappings (any supported shape).
@@ -244,6 +271,7 @@ def tokenize_dataset(
         desc: Label of the progress bar and prefix of the row names in messages (e.g. an input file name).
         first_row: Number of the first row in messages: 0 for an index into an in-memory dataset, 1 for the
             rows of a file (``prepare-data``).
+        apply_chat_template_to_strings: See :func:`tokenize_pair`.
 
     Returns:
         A :class:`TokenizationResult`.
@@ -256,10 +284,12 @@ def tokenize_dataset(
     """
     limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
 
-    def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool]:
-        pair = normalize_row(row)
-        tokenized = tokenize_pair(pair, tokenizer, **limits)
-        return pair, tokenized.to_features(), tokenized.truncated
+    def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool, str | None]:
+        pair = normalize_row(row, chat_strings=apply_chat_template_to_strings)
+        tokenized = tokenize_pair(
+            pair, tokenizer, **limits, apply_chat_template_to_strings=apply_chat_template_to_strings
+        )
+        return pair, tokenized.to_features(), tokenized.truncated, tokenized.rendering
 
     rows = _progress(dataset_or_rows, progress, desc)
     return _convert_rows(rows, convert, strict=strict, keep_pairs=keep_pairs, desc=desc, first_row=first_row)
@@ -295,9 +325,9 @@ def truncate_dataset(
     """
     limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
 
-    def convert(row: Any) -> tuple[None, dict[str, Any], bool]:
+    def convert(row: Any) -> tuple[None, dict[str, Any], bool, str | None]:
         tokenized = truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
-        return None, ({**row, **tokenized.to_features()} if tokenized.truncated else row), tokenized.truncated
+        return None, ({**row, **tokenized.to_features()} if tokenized.truncated else row), tokenized.truncated, None
 
     return _convert_rows(
         _progress(rows, progress, desc), convert, strict=strict, keep_pairs=False, desc=desc, first_row=first_row
@@ -317,12 +347,13 @@ def _convert_rows(
     row_indices: list[int] = []
     pairs: list[PreferencePair] = []
     rejections: Counter[str] = Counter()
+    renderings: Counter[str] = Counter()
     examples: dict[str, str] = {}
     first_error: tuple[str, str] | None = None
     num_truncated = 0
     for index, row in enumerate(iter_rows(rows)):
         try:
-            pair, row_features, truncated = convert(row)
+            pair, row_features, truncated, rendering = convert(row)
         except PreferenceRowError as exc:
             message = f"{desc} row {index + first_row}: {exc.message}"
             if strict:
@@ -334,6 +365,8 @@ def _convert_rows(
         features.append(row_features)
         row_indices.append(index)
         num_truncated += truncated
+        if rendering is not None:
+            renderings[rendering] += 1
         if keep_pairs and pair is not None:
             pairs.append(pair)
     num_rows = len(features) + sum(rejections.values())
@@ -347,6 +380,7 @@ def _convert_rows(
         num_truncated=num_truncated,
         first_rejection=None if first_error is None else f"[{first_error[0]}] {first_error[1]}",
         first_error=first_error,
+        renderings=renderings,
     )
 
 
@@ -488,8 +522,27 @@ def _end_with_eos(ids: list[int], eos: int, tokenizer: Any) -> list[int]:
     return [*ids, eos]
 
 
+def _require_chat_template(tokenizer: Any, rendering: str) -> None:
+    """Raises ``no_chat_template`` when a rendering that needs the chat template meets a tokenizer without one."""
+    if has_chat_template(tokenizer):
+        return
+    if rendering == "strings_templated":
+        raise PreferenceRowError(
+            "no_chat_template",
+            "apply_chat_template_to_strings=True renders plain-string rows with the chat template, but the tokenizer "
+            "has none: give it a chat template, or set apply_chat_template_to_strings=False (raw text, TRL's way).",
+        )
+    raise PreferenceRowError(
+        "no_chat_template",
+        "the tokenizer has no chat template, and this row holds chat turns (message lists) that only a template can "
+        "render: give the tokenizer a chat template (a chat_template.jinja file in its directory, or "
+        "tokenizer.chat_template = ...), or write the row as three plain strings 'prompt' / 'chosen' / 'rejected', "
+        "which are tokenised as raw text.",
+    )
+
+
 def has_chat_template(tokenizer: Any) -> bool:
-    """True when ``tokenizer`` has a chat template (else plain-string rows are tokenised by concatenation).
+    """True when ``tokenizer`` has a chat template (conversations need one; plain strings are raw text).
 
     A Hugging Face tokenizer says so with ``chat_template``; an object without that attribute counts as templated
     when it has ``apply_chat_template``.
@@ -500,15 +553,7 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 
 def _concatenated_ids(tokenizer: Any, pair: PreferencePair, eos: int) -> tuple[list[int], list[int], list[int]]:
-    """TRL's non-conversational tokenisation of a plain-string pair (see the module docstring); no chat template."""
-    if not pair.plain_text:
-        raise PreferenceRowError(
-            "no_chat_template",
-            "the tokenizer has no chat template, and this row holds chat turns (message lists, or an Anthropic-HH "
-            "transcript) that only a template can render: give the tokenizer a chat template (a chat_template.jinja "
-            "file in its directory, or tokenizer.chat_template = ...), or write the row as three plain strings "
-            "'prompt' / 'chosen' / 'rejected', which are tokenised by concatenation.",
-        )
+    """TRL's non-conversational tokenisation of a plain-string pair (see the module docstring), template or not."""
     prompt = pair.prompt_messages[0]["content"]
     prompt_ids = _encode_text(tokenizer, prompt)
     fulls = [_encode_text(tokenizer, prompt + c[0]["content"]) for c in (pair.chosen_messages, pair.rejected_messages)]
@@ -516,8 +561,8 @@ def _concatenated_ids(tokenizer: Any, pair: PreferencePair, eos: int) -> tuple[l
     if shared == 0:
         raise PreferenceRowError(
             "empty_prompt",
-            "the prompt tokenises to no tokens ahead of the completion (no chat template, and the tokenizer adds no "
-            "BOS): the first completion token would have no context; give a non-empty prompt.",
+            "the prompt tokenises to no tokens ahead of the completion (raw text, and the tokenizer adds no BOS): the "
+            "first completion token would have no context; give a non-empty prompt.",
         )
     completions = []
     for name, full in zip(("chosen", "rejected"), fulls, strict=True):

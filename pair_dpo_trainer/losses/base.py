@@ -34,6 +34,9 @@ class PairLogps:
             ``policy_chosen_logps`` (no ``ld_alpha``).
         chosen_wpo_logps / rejected_wpo_logps: Detached ``sum_t (log p_t - log sum_v p_v^2)`` per sequence, the
             WPO weight's exponent before length normalisation (``use_weighting``); None otherwise.
+        chosen_prompt_logps: Summed (plain) log-probs of the chosen sequence's prompt tokens after the first, when the
+            policy pass scored them (ORPO's NLL over prompt and completion); None otherwise.
+        chosen_prompt_token_counts: How many prompt tokens ``chosen_prompt_logps`` sums; None otherwise.
     """
 
     policy_chosen_logps: torch.Tensor
@@ -45,6 +48,8 @@ class PairLogps:
     policy_chosen_nll_logps: torch.Tensor | None = None
     chosen_wpo_logps: torch.Tensor | None = None
     rejected_wpo_logps: torch.Tensor | None = None
+    chosen_prompt_logps: torch.Tensor | None = None
+    chosen_prompt_token_counts: torch.Tensor | None = None
 
     def chosen_logratios(self) -> torch.Tensor:
         """``u_w``. Shape ``[n]``."""
@@ -122,12 +127,15 @@ class StepContext:
         bco_delta: BCO's reward shift, the running mean implicit reward of all previous steps (scalar).
         chosen_tokens_per_pair: Chosen completion tokens of the step divided by its pairs (scalar), so that ``sft``
             is the token mean of the step's chosen NLL; None: this micro-batch's own ratio.
+        chosen_sequence_tokens_per_pair: Chosen prompt (after its first token) plus completion tokens of the step
+            divided by its pairs (scalar), for ORPO's NLL; None: this micro-batch's own ratio.
         aot: The step's sort-matched partners for ``aot`` / ``aot_unpaired``; None: sort within the micro-batch.
     """
 
     bco_delta: torch.Tensor | float = 0.0
     chosen_tokens_per_pair: torch.Tensor | None = None
     aot: AotMatch | None = None
+    chosen_sequence_tokens_per_pair: torch.Tensor | None = None
 
 
 NO_CONTEXT = StepContext()

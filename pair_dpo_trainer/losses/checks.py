@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.trl_names import RENAMED_LOSS_TYPES
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.losses.base import F_DIVERGENCES
 from pair_dpo_trainer.losses.registry import LABEL_FREE_LOSSES, LABEL_SMOOTHING_LOSSES, OBJECTIVES, uses_reference
@@ -34,7 +35,9 @@ def loss_problems(config: PairDPOConfig) -> list[Problem]:
 def loss_type_problems(loss_type: Sequence[str]) -> list[Problem]:
     """Unknown or repeated objective names."""
     problems: list[Problem] = []
-    unknown = [name for name in loss_type if name not in OBJECTIVES]
+    renamed = [name for name in loss_type if name in RENAMED_LOSS_TYPES]
+    problems.extend(("unknown_loss_type", f"loss_type {name!r}: use {RENAMED_LOSS_TYPES[name]}.") for name in renamed)
+    unknown = [name for name in loss_type if name not in OBJECTIVES and name not in RENAMED_LOSS_TYPES]
     if unknown or not loss_type:
         problems.append(
             ("unknown_loss_type", f"loss_type={list(loss_type)!r}: use one or more of {sorted(OBJECTIVES)}.")

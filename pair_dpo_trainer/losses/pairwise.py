@@ -37,18 +37,19 @@ def robust_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_
 
 
 def ipo_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
-    """IPO on summed sequence log-ratios, as Eq. 17 is written (beta is the paper's tau). Not TRL's ``ipo``,
-    which is :func:`ipo_norm_loss`."""
+    """IPO on per-token (length-normalised) log-ratios: TRL 1.16's ``ipo`` (per TRL's comment confirmed with the IPO
+    authors; the paper's reported results use this form). The summed form of Eq. 17 is :func:`ipo_sum_loss`."""
     # Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human Preferences",
-    # arXiv:2310.12036, Eq. 17: (h - 1 / (2 tau))^2
-    return (delta_score(logps, params) - 1.0 / (2.0 * params.beta)) ** 2
-
-
-def ipo_norm_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
-    """IPO on per-token (length-normalised) log-ratios: TRL 1.16's ``ipo`` (confirmed with the IPO authors, per
-    TRL's comment; the paper's reported results use this form)."""
-    # Azar et al. 2023, arXiv:2310.12036, Eq. 17 with u_w / |y_w| and u_l / |y_l| in place of u_w and u_l.
+    # arXiv:2310.12036, Eq. 17 with u_w / |y_w| and u_l / |y_l| in place of u_w and u_l:
+    # (u_w / |y_w| - u_l / |y_l| - 1 / (2 tau))^2
     return (length_normalized_delta(logps, params) - 1.0 / (2.0 * params.beta)) ** 2
+
+
+def ipo_sum_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
+    """IPO on summed sequence log-ratios, as Eq. 17 is written (beta is the paper's tau): the target margin
+    ``1 / (2 beta)`` is in nats per sequence, so the loss grows with completion length. Not TRL's ``ipo``."""
+    # Azar et al. 2023, arXiv:2310.12036, Eq. 17: (h - 1 / (2 tau))^2
+    return (delta_score(logps, params) - 1.0 / (2.0 * params.beta)) ** 2
 
 
 def hinge_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
@@ -80,10 +81,20 @@ def nca_pair_loss(logps: PairLogps, params: LossParams, context: StepContext = N
 
 
 def bco_pair_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
-    """BCO on pairs: chosen completions classified as good, rejected as bad, around the reward shift delta (the
-    running mean implicit reward of all previous optimizer steps, ``context.bco_delta``)."""
+    """BCO on pairs without the reward shift (delta = 0): chosen completions classified as good, rejected as bad.
+    TRL 1.16's ``bco_pair``; the paper's shifted form is :func:`bco_pair_shift_loss`."""
     # Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment", arXiv:2404.04656,
-    # Sec. 3 (BCE with reward shift delta, r = b u): -log sigmoid(r_w - delta) - log sigmoid(-(r_l - delta))
+    # Sec. 3 (BCE, r = b u) with delta = 0: -log sigmoid(r_w) - log sigmoid(-r_l)
+    chosen = params.beta * logps.chosen_logratios()
+    rejected = params.beta * logps.rejected_logratios()
+    return -F.logsigmoid(chosen) - F.logsigmoid(-rejected)
+
+
+def bco_pair_shift_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
+    """BCO on pairs around the reward shift delta (the running mean implicit reward of all previous optimizer steps,
+    ``context.bco_delta``), as the paper defines it."""
+    # Jung et al. 2024, arXiv:2404.04656, Sec. 3 (BCE with reward shift delta, r = b u):
+    # -log sigmoid(r_w - delta) - log sigmoid(-(r_l - delta))
     delta = context.bco_delta
     chosen = params.beta * logps.chosen_logratios() - delta
     rejected = params.beta * logps.rejected_logratios() - delta

@@ -29,17 +29,29 @@ def log1mexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def orpo_loss(logps: PairLogps, params: LossParams, context: StepContext = NO_CONTEXT) -> torch.Tensor:
-    """ORPO: the chosen NLL plus ``beta`` (the paper's lambda, TRL's ORPO ``beta``) times the log odds-ratio loss.
+    """ORPO as TRL 1.16's ``ORPOTrainer`` computes it: the chosen NLL plus ``beta`` (the paper's lambda) times the
+    log odds-ratio loss.
 
-    The NLL is the paper's per-sequence mean ``-log pi(y_w|x) / |y_w|`` (Eq. 2); TRL's ``ORPOTrainer`` takes the
-    token mean over its micro-batch instead (equal when the chosen lengths are equal).
+    The NLL is TRL's: one token mean over every token of the chosen sequences after the first (prompt and
+    completion), here over the optimizer step (``context.chosen_sequence_tokens_per_pair``; without a context, this
+    micro-batch's own ratio, TRL's per-micro-batch mean); the paper's Eq. 2 averages the completion only.
+
+    Raises:
+        ValueError: The log-probs carry no prompt sums (the policy pass did not score the chosen prompts).
     """
     # Hong et al. 2024, "ORPO: Monolithic Preference Optimization without Reference Model", arXiv:2403.07691.
     # Eq. 4: odds(y|x) = P(y|x) / (1 - P(y|x)) with P = exp(log pi(y|x) / |y|);
-    # Eq. 7: L_OR = -log sigmoid(log odds(y_w|x) - log odds(y_l|x)); Eq. 6: L_ORPO = L_SFT + lambda L_OR.
+    # Eq. 7: L_OR = -log sigmoid(log odds(y_w|x) - log odds(y_l|x)); Eq. 6: L_ORPO = L_SFT + lambda L_OR, with
+    # L_SFT as TRL's ORPOTrainer takes it: -sum_{t >= 1} log pi(s_t | s_<t) / #tokens over the chosen s = x + y_w.
+    if logps.chosen_prompt_logps is None or logps.chosen_prompt_token_counts is None:
+        raise ValueError("orpo needs the chosen prompts' log-probs (PackedPairCollator(score_chosen_prompts=True))")
     chosen, rejected = logps.chosen_mean_logps(), logps.rejected_mean_logps()
     log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))
-    nll = logps.chosen_nll() / logps.chosen_token_counts.clamp(min=1)
+    per_pair = context.chosen_sequence_tokens_per_pair
+    if per_pair is None:  # float64: a float32 ratio of token counts would round (the loss keeps its own dtype)
+        counts = (logps.chosen_token_counts + logps.chosen_prompt_token_counts).to(torch.float64)
+        per_pair = counts.sum() / counts.shape[0]
+    nll = (logps.chosen_nll() - logps.chosen_prompt_logps) / per_pair.clamp(min=1e-12)
     return nll - params.beta * F.logsigmoid(log_odds)
 
 

@@ -21,6 +21,9 @@ class ObjectiveSpec:
         f_divergence: Built on the chosen-rejected reward difference, so ``f_divergence_type`` applies (TRL's set).
         sorts_step: Sorts over the optimizer step's pairs (AOT): the trainer runs the gradient-free pre-pass.
         token_mean: A token mean over the step's chosen tokens (``sft``): the trainer counts them per step.
+        sequence_nll: An NLL over the chosen prompt and completion tokens (``orpo``, as TRL's ``ORPOTrainer``): the
+            collator lists the chosen prompt positions, the policy pass scores them, the trainer counts them per
+            step.
         stateful: Reads a running statistic of previous steps (BCO's reward shift).
         trl: TRL 1.16's ``loss_type`` for the same objective, or None when TRL's DPOTrainer has none.
     """
@@ -31,6 +34,7 @@ class ObjectiveSpec:
     f_divergence: bool = False
     sorts_step: bool = False
     token_mean: bool = False
+    sequence_nll: bool = False
     stateful: bool = False
     trl: str | None = None
 
@@ -38,12 +42,13 @@ class ObjectiveSpec:
 OBJECTIVES: dict[str, ObjectiveSpec] = {
     "sigmoid": ObjectiveSpec(pairwise.sigmoid_loss, label_smoothing="optional", f_divergence=True, trl="sigmoid"),
     "robust": ObjectiveSpec(pairwise.robust_loss, label_smoothing="optional", f_divergence=True, trl="robust"),
-    "ipo": ObjectiveSpec(pairwise.ipo_loss, f_divergence=True),
-    "ipo_norm": ObjectiveSpec(pairwise.ipo_norm_loss, f_divergence=True, trl="ipo"),
+    "ipo": ObjectiveSpec(pairwise.ipo_loss, f_divergence=True, trl="ipo"),
+    "ipo_sum": ObjectiveSpec(pairwise.ipo_sum_loss, f_divergence=True),
     "hinge": ObjectiveSpec(pairwise.hinge_loss, f_divergence=True, trl="hinge"),
     "exo_pair": ObjectiveSpec(pairwise.exo_pair_loss, label_smoothing="required", f_divergence=True, trl="exo_pair"),
     "nca_pair": ObjectiveSpec(pairwise.nca_pair_loss, trl="nca_pair"),
-    "bco_pair": ObjectiveSpec(pairwise.bco_pair_loss, stateful=True, trl="bco_pair"),
+    "bco_pair": ObjectiveSpec(pairwise.bco_pair_loss, trl="bco_pair"),
+    "bco_pair_shift": ObjectiveSpec(pairwise.bco_pair_shift_loss, stateful=True),
     "sppo_hard": ObjectiveSpec(pairwise.sppo_hard_loss, trl="sppo_hard"),
     "aot": ObjectiveSpec(aot.aot_loss, label_smoothing="optional", sorts_step=True, trl="aot"),
     "aot_unpaired": ObjectiveSpec(
@@ -56,7 +61,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     "sigmoid_nll": ObjectiveSpec(pairwise.sigmoid_nll_loss, f_divergence=True),
     "sft": ObjectiveSpec(reference_free.sft_loss, reference=False, f_divergence=True, token_mean=True, trl="sft"),
     "simpo": ObjectiveSpec(reference_free.simpo_loss, reference=False, label_smoothing="optional"),
-    "orpo": ObjectiveSpec(reference_free.orpo_loss, reference=False),
+    "orpo": ObjectiveSpec(reference_free.orpo_loss, reference=False, sequence_nll=True),
 }
 """Objective name -> spec. ``sft`` accepts a non-default ``f_divergence_type`` as TRL does (it has no log-ratio,
 so the choice changes nothing for it)."""
@@ -69,6 +74,12 @@ LABEL_SMOOTHING_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if 
 
 LABEL_FREE_LOSSES = frozenset({"sft"})
 """Objectives without a preference label, unaffected by ``label_smoothing`` (allowed in a smoothed mixture)."""
+
+
+def scores_chosen_prompts(loss_type: Sequence[str]) -> bool:
+    """True when an objective of ``loss_type`` reads the chosen prompts' log-probs (``orpo``)."""
+    return any(OBJECTIVES[name].sequence_nll for name in loss_type if name in OBJECTIVES)
+
 
 REFERENCE_FREE_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if not spec.reference)
 """Objectives that need no reference model."""

@@ -6,7 +6,7 @@ Details: docs/architecture.md, "Module notes", ``modeling/logprobs.py``.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -323,6 +323,7 @@ def in_forward_token_logps(
     chunk_size: int,
     *,
     with_stats: bool = False,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Per-token log-probs of the scored positions, computed inside the model's own (single) call of ``head``.
 
@@ -340,6 +341,7 @@ def in_forward_token_logps(
         chunk_size: Rows per chunk.
         with_stats: Also return the per-token :data:`TOKEN_STATS` (the head call then returns one ``[P, 5]`` tensor,
             log-probs first, so the model's own code sees a single "logits" tensor; only the log-probs carry gradient).
+        positions: The rows to score (default ``batch.completion_positions``), aligned with ``targets``.
     """
     _check_varlen(model)
 
@@ -351,7 +353,8 @@ def in_forward_token_logps(
 
     head.forward = chunked_forward  # an instance attribute shadows the class method for this one forward
     try:
-        output = model(**packed_forward_kwargs(batch), logits_to_keep=batch.completion_positions)
+        keep = batch.completion_positions if positions is None else positions
+        output = model(**packed_forward_kwargs(batch), logits_to_keep=keep)
     finally:
         del head.forward
     if not with_stats:
@@ -395,21 +398,47 @@ class SequenceLogps:
         nll_logps: The plain sums (the same tensor as ``logps`` without token weights), for NLL terms.
         token_stats: ``[2n, 4]`` detached per-sequence sums over the scored tokens of: the mean logit, the entropy,
             the target-is-argmax indicator and ``log p_t - log sum_v p_v^2`` (WPO); None without statistics.
+        prompt_logps: Summed log-probs of the chosen sequences' prompt tokens after the first (0 for rejected
+            sequences), when the batch lists them (``prompt_positions``, ORPO); else None.
+        prompt_token_counts: The number of those prompt tokens per sequence, else None.
     """
 
     logps: torch.Tensor
     nll_logps: torch.Tensor
     token_stats: torch.Tensor | None = None
+    prompt_logps: torch.Tensor | None = None
+    prompt_token_counts: torch.Tensor | None = None
 
 
-def _scored_token_logps(model: torch.nn.Module, batch: PackedPairBatch, chunk_size: int, with_stats: bool):
-    """``(token_logps [N], stats [N, 4] | None, sequences [N])`` of the batch's scored positions."""
+@dataclass(frozen=True)
+class _ScoredTokens:
+    """The log-probs of a batch's scored positions: completion tokens (with statistics), then prompt tokens."""
+
+    token_logps: torch.Tensor
+    stats: torch.Tensor | None
+    sequences: torch.Tensor
+    prompt_logps: torch.Tensor | None = None
+    prompt_sequences: torch.Tensor | None = None
+
+
+def _scored_token_logps(
+    model: torch.nn.Module, batch: PackedPairBatch, chunk_size: int, with_stats: bool, *, prompts: bool = False
+) -> _ScoredTokens:
+    """The log-probs of the batch's completion positions (``[N]``, statistics ``[N, 4] | None``, their sequences)
+    and, with ``prompts`` and a batch that lists them, of its ``prompt_positions`` (one pass over both)."""
     head = check_supported_head(model)
     positions = batch.completion_positions
     targets = batch.labels.reshape(-1).index_select(0, positions)
+    scored = int(positions.shape[0])  # host-known shape: no sync
+    extra = batch.prompt_positions if prompts else None
+    if extra is not None:
+        positions = torch.cat([positions, extra])
+        targets = torch.cat([targets, cast(torch.Tensor, batch.prompt_targets)])
     sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
     if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
-        result = in_forward_token_logps(model, head, batch, targets, chunk_size, with_stats=with_stats)
+        result = in_forward_token_logps(
+            model, head, batch, targets, chunk_size, with_stats=with_stats, positions=positions
+        )
     else:
         hidden = packed_hidden_states(model, batch)
         rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, positions)
@@ -417,8 +446,16 @@ def _scored_token_logps(model: torch.nn.Module, batch: PackedPairBatch, chunk_si
             result = module_chunked_token_logps(head, rows, targets, chunk_size, with_stats=with_stats)
         else:
             result = chunked_token_logps(rows, head.weight, targets, chunk_size, with_stats=with_stats)
-    token_logps, stats = result if with_stats else (result, None)
-    return token_logps, stats, sequences
+    token_logps, stats = cast(tuple[torch.Tensor, torch.Tensor | None], result if with_stats else (result, None))
+    if extra is None:
+        return _ScoredTokens(token_logps, stats, sequences)
+    return _ScoredTokens(
+        token_logps[:scored],
+        None if stats is None else stats[:scored],
+        sequences[:scored],
+        prompt_logps=token_logps[scored:],
+        prompt_sequences=sequences[scored:],
+    )
 
 
 def _sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -445,20 +482,30 @@ def packed_sequence_logps(
     Raises:
         ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.
     """
-    token_logps, _, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=False)
+    scored = _scored_token_logps(model, batch, chunk_size, with_stats=False)
+    token_logps = scored.token_logps
     if batch.token_weights is not None:
         token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
-    return _sequence_sums(token_logps, sequences, batch.num_sequences)
+    return _sequence_sums(token_logps, scored.sequences, batch.num_sequences)
 
 
 def packed_policy_logps(
     model: torch.nn.Module, batch: PackedPairBatch, *, chunk_size: int = DEFAULT_CHUNK_SIZE, with_stats: bool = True
 ) -> SequenceLogps:
     """The policy's per-sequence log-probs and, with ``with_stats``, the per-token statistics summed per sequence
-    (computed inside the chunked head: no ``[T, V]`` tensor, no host sync). Shapes and errors as
-    :func:`packed_sequence_logps`."""
-    token_logps, stats, sequences = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats)
-    return sequence_logps_from_tokens(token_logps, stats, sequences, batch)
+    (computed inside the chunked head: no ``[T, V]`` tensor, no host sync); with the chosen prompts' log-probs when
+    the batch lists them (``prompt_positions``). Shapes and errors as :func:`packed_sequence_logps`."""
+    scored = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats, prompts=True)
+    logps = sequence_logps_from_tokens(scored.token_logps, scored.stats, scored.sequences, batch)
+    if scored.prompt_logps is None or scored.prompt_sequences is None:
+        return logps
+    n = batch.num_sequences
+    ones = torch.ones_like(scored.prompt_logps)
+    return replace(
+        logps,
+        prompt_logps=_sequence_sums(scored.prompt_logps, scored.prompt_sequences, n),
+        prompt_token_counts=_sequence_sums(ones, scored.prompt_sequences, n),
+    )
 
 
 def sequence_logps_from_tokens(

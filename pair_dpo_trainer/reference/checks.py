@@ -17,20 +17,31 @@ from pair_dpo_trainer.losses.registry import no_reference_reason, uses_reference
 from pair_dpo_trainer.reference.deepspeed import reference_zero_stage_problems
 from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
 
+IGNORED_WITHOUT_REFERENCE = ("ref_model_name_or_path", "ref_model_revision", "ref_model_repo_id")
+"""Reference settings a run that builds no reference ignores (named in the run summary, never refused: switching
+``reference_free`` or to a reference-free objective is one option)."""
+
+
+def ignored_reference_settings(args: PairDPOConfig, *, ref_model_given: bool = False) -> list[str]:
+    """The reference settings of ``args`` (and a ``ref_model`` object) that a reference-free run does not use.
+
+    Example:
+        >>> config = PairDPOConfig(output_dir="out", reference_free=True, ref_model_revision="a" * 40)
+        >>> ignored_reference_settings(config, ref_model_given=True)
+        ['ref_model_revision', 'ref_model']
+    """
+    if uses_reference(args.loss_type, reference_free=args.reference_free):
+        return []
+    ignored = [name for name in IGNORED_WITHOUT_REFERENCE if getattr(args, name) is not None]
+    return ignored + (["ref_model"] if ref_model_given else [])
+
 
 def reference_option_problems(args: PairDPOConfig) -> list[Problem]:
-    """Reference options that contradict the objectives, and a revision that is not a full commit."""
+    """A precomputed reference in a run without one, and a revision that is not a full commit (the other reference
+    settings of a reference-free run are ignored: :func:`ignored_reference_settings`)."""
     problems: list[Problem] = []
     if not uses_reference(args.loss_type, reference_free=args.reference_free):
         reason = no_reference_reason(args.loss_type, reference_free=args.reference_free)
-        if args.ref_model_name_or_path or args.ref_model_revision:
-            problems.append(
-                (
-                    "reference_conflict",
-                    f"{reason} builds no reference: remove ref_model_name_or_path / ref_model_revision, or use a "
-                    "loss_type with a reference and reference_free=False.",
-                )
-            )
         if args.precompute_ref_log_probs:
             problems.append(
                 (
@@ -39,7 +50,8 @@ def reference_option_problems(args: PairDPOConfig) -> list[Problem]:
                     "are used): set precompute_ref_log_probs=False.",
                 )
             )
-    if args.ref_model_revision is not None and not is_pinned_revision(args.ref_model_revision):
+    uses = uses_reference(args.loss_type, reference_free=args.reference_free)
+    if uses and args.ref_model_revision is not None and not is_pinned_revision(args.ref_model_revision):
         problems.append(
             (
                 "revision_not_pinned",
@@ -72,9 +84,6 @@ def reference_run_problems(
     deepspeed = deepspeed_config is not None
     peft_reference = adapter_disabled_reference(args, peft_policy=peft_policy, ref_model_given=ref_model_given)
     problems: list[Problem] = []
-    if not uses_reference(args.loss_type, reference_free=args.reference_free) and ref_model_given:
-        reason = no_reference_reason(args.loss_type, reference_free=args.reference_free)
-        problems.append(("reference_conflict", f"{reason} builds no reference: do not pass ref_model."))
     if args.ref_offload_params and not deepspeed and not fsdp:
         problems.append(
             (

@@ -271,6 +271,25 @@ def _differencing_merges(windows: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
     return merges
 
 
+def check_enough_pairs(num_pairs: int, *, world_size: int, pairs_per_rank: int, rows: str = "pairs") -> None:
+    """Raises ``too_few_pairs`` when ``num_pairs`` cannot fill one optimizer step of ``world_size * pairs_per_rank``
+    pairs. It needs only the count, so the trainer also runs it on the raw rows before any model loads (``rows``
+    names what was counted).
+
+    Raises:
+        ScheduleError: ``too_few_pairs``.
+    """
+    group = world_size * pairs_per_rank
+    if num_pairs < group:
+        raise ScheduleError(
+            "too_few_pairs",
+            f"the dataset has {num_pairs} {rows} but one optimizer step needs world_size * pairs_per_rank = "
+            f"{world_size} * {pairs_per_rank} = {group} (processes x per_device_train_batch_size x "
+            "gradient_accumulation_steps); add data, or lower per_device_train_batch_size, "
+            "gradient_accumulation_steps or the number of processes.",
+        )
+
+
 def plan_epoch_array(
     costs: Sequence[int] | np.ndarray,
     *,
@@ -295,14 +314,7 @@ def plan_epoch_array(
     if max_tokens_per_microbatch is not None:
         check_budget(cost, max_tokens_per_microbatch)
     group = world_size * pairs_per_rank
-    if cost.size < group:
-        raise ScheduleError(
-            "too_few_pairs",
-            f"the dataset has {cost.size} pairs but one optimizer step needs world_size * pairs_per_rank = "
-            f"{world_size} * {pairs_per_rank} = {group} (processes x per_device_train_batch_size x "
-            "gradient_accumulation_steps); add data, or lower per_device_train_batch_size, "
-            "gradient_accumulation_steps or the number of processes.",
-        )
+    check_enough_pairs(cost.size, world_size=world_size, pairs_per_rank=pairs_per_rank)
     steps = cost.size // group
     perm = np.random.default_rng([seed, epoch]).permutation(cost.size)[: steps * group].reshape(steps, group)
     by_rank = _split_ranks(perm, cost[perm], world_size)  # [steps, W, P]

@@ -18,7 +18,8 @@ def non_embedding_parameters(model: torch.nn.Module) -> int:
         >>> non_embedding_parameters(tied) - sum(p.numel() for p in tied.model.layers.parameters())  # head + norm
         1616
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
     head_weight = getattr(head, "weight", None)
     embedding = {
         id(p)

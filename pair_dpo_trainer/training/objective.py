@@ -103,7 +103,7 @@ class ObjectiveRuntime:
 
     def state_dict(self) -> dict[str, Any]:
         """The state a checkpoint keeps (empty when no component is stateful)."""
-        return {} if self.bco_state is None else {"bco_pair": self.bco_state.state_dict()}
+        return {} if self.bco_state is None else {"bco_pair_shift": self.bco_state.state_dict()}
 
     def save(self, checkpoint_dir: str | os.PathLike[str]) -> None:
         """Writes the state into the checkpoint (nothing when no component is stateful)."""
@@ -120,13 +120,13 @@ class ObjectiveRuntime:
         if self.bco_state is None:
             return
         data = read_objective_state(checkpoint_dir)
-        if "bco_pair" not in data:
+        if "bco_pair_shift" not in data:
             raise ConfigError(
                 "objective_state_missing",
-                f"{checkpoint_dir} has no bco_pair state (it was written with another loss_type): resume with the "
-                "loss_type it was trained with, or start a new run.",
+                f"{checkpoint_dir} has no bco_pair_shift state (it was written with another loss_type): resume with "
+                "the loss_type it was trained with, or start a new run.",
             )
-        self.bco_state.load_state_dict(data["bco_pair"])
+        self.bco_state.load_state_dict(data["bco_pair_shift"])
 
 
 class StepBoundaryCallback(TrainerCallback):

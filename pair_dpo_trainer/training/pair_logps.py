@@ -27,6 +27,8 @@ def pair_logps_from_sequences(
     chosen_wpo, rejected_wpo = split_pairs(stats[:, 3]) if stats is not None else (None, None)
     (policy_chosen, policy_rejected), (ref_chosen, ref_rejected) = split_pairs(logps), split_pairs(ref_logps)
     chosen_counts, rejected_counts = split_pairs(counts)
+    prompt_logps = None if policy.prompt_logps is None else split_pairs(policy.prompt_logps)[0]
+    prompt_counts = None if policy.prompt_token_counts is None else split_pairs(policy.prompt_token_counts)[0]
     return PairLogps(
         policy_chosen_logps=policy_chosen,
         policy_rejected_logps=policy_rejected,
@@ -37,6 +39,8 @@ def pair_logps_from_sequences(
         policy_chosen_nll_logps=None if policy.nll_logps is logps else split_pairs(policy.nll_logps)[0],
         chosen_wpo_logps=chosen_wpo,
         rejected_wpo_logps=rejected_wpo,
+        chosen_prompt_logps=prompt_logps,
+        chosen_prompt_token_counts=prompt_counts,
     )
 
 

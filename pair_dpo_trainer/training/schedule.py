@@ -3,10 +3,12 @@ budget), on this rank."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
+from pair_dpo_trainer.samplers.planner import check_enough_pairs
 
 
 def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler | PairStepSampler:
@@ -26,3 +28,18 @@ def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler
     if args.max_tokens_per_microbatch is None:
         return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
     return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)
+
+
+def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
+    """Raises ``too_few_pairs`` when the train dataset has fewer rows than one optimizer step's pairs: checked from
+    the row count alone, before the model loads and the rows are tokenised (rejected rows can only lower the count;
+    the planner checks the tokenised pairs again).
+
+    Raises:
+        ScheduleError: ``too_few_pairs``.
+    """
+    if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__len__"):
+        return
+    check_enough_pairs(
+        len(dataset), world_size=args.world_size, pairs_per_rank=args.pairs_per_rank_per_step, rows="rows"
+    )

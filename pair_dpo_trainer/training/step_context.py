@@ -1,9 +1,9 @@
 """Building each micro-batch's :class:`~pair_dpo_trainer.losses.base.StepContext`: what step-level objectives
 need from the whole optimizer step, computed once per step before its first forward.
 
-- ``bco_pair``: the reward shift delta of the previous steps (``training.objective_state.RunningRewardMean``).
+- ``bco_pair_shift``: the reward shift delta of the previous steps (``training.objective_state.RunningRewardMean``).
 - ``sft``: chosen tokens per pair of the step, from the micro-batches on the host (no device sync) and one device
-  all-reduce over ranks.
+  all-reduce over ranks; ``orpo`` likewise with the chosen prompt tokens counted too.
 - ``aot`` / ``aot_unpaired``: a gradient-free pass of the policy and the reference over the step's micro-batches
   (``margins_fn``), the margins of every rank gathered (one device all-gather), and each pair's sort-matched partner.
 
@@ -35,14 +35,22 @@ def chosen_scored_tokens(batch: PackedPairBatch) -> torch.Tensor:
     return (chosen & batch.completion_mask.reshape(-1)).sum()
 
 
+def chosen_sequence_targets(batch: PackedPairBatch) -> int:
+    """Tokens after the first of every chosen sequence of a (host) micro-batch: the targets of ORPO's NLL."""
+    lengths = (batch.cu_seqlens[1 : batch.num_sequences + 1] - batch.cu_seqlens[: batch.num_sequences]).tolist()
+    return sum(length - 1 for length in lengths[::2])
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _step_tokens_per_pair(batches: Sequence[PackedPairBatch], device: torch.device) -> torch.Tensor:
-    """Chosen tokens / pairs over the step's micro-batches on every rank: a float64 device scalar (a 0-dim tensor,
-    so the float32 losses it divides stay float32)."""
-    tokens = sum(int(chosen_scored_tokens(batch)) for batch in batches)  # CPU batches: host arithmetic
+def _step_tokens_per_pair(
+    batches: Sequence[PackedPairBatch], device: torch.device, count: Callable[[PackedPairBatch], int]
+) -> torch.Tensor:
+    """``count`` tokens / pairs over the step's micro-batches on every rank: a float64 device scalar (a 0-dim
+    tensor, so the float32 losses it divides stay float32)."""
+    tokens = sum(count(batch) for batch in batches)  # CPU batches: host arithmetic
     pairs = sum(batch.num_pairs for batch in batches)
     totals = torch.tensor([tokens, pairs], dtype=torch.float64, device=device)
     if _distributed():
@@ -94,19 +102,20 @@ class StepContextBuilder:
 
     Args:
         objective: The run's objective.
-        bco_state: BCO's running reward mean when ``bco_pair`` is a component, else None.
+        bco_state: BCO's running reward mean when ``bco_pair_shift`` is a component, else None.
     """
 
     def __init__(self, objective: Objective, bco_state: RunningRewardMean | None) -> None:
         self.objective = objective
         self.bco_state = bco_state
         self.token_mean = objective.needs("token_mean")
+        self.sequence_nll = objective.needs("sequence_nll")
         self.sorts_step = objective.needs("sorts_step")
 
     @property
     def active(self) -> bool:
         """True when some component reads a step context."""
-        return self.token_mean or self.sorts_step or self.bco_state is not None
+        return self.token_mean or self.sequence_nll or self.sorts_step or self.bco_state is not None
 
     def _delta(self) -> torch.Tensor | float:
         return 0.0 if self.bco_state is None else self.bco_state.delta()
@@ -127,7 +136,8 @@ class StepContextBuilder:
             margins_fn: The gradient-free pre-pass (needed by ``aot`` / ``aot_unpaired``).
             pairs_per_rank: The step's pairs per rank, host-known and equal on every rank (AOT only).
         """
-        tokens = _step_tokens_per_pair(batches, device) if self.token_mean else None
+        tokens = _step_tokens_per_pair(batches, device, _chosen_tokens) if self.token_mean else None
+        sequence = _step_tokens_per_pair(batches, device, chosen_sequence_targets) if self.sequence_nll else None
         if self.sorts_step:
             if margins_fn is None or pairs_per_rank is None:
                 raise ValueError("aot / aot_unpaired need margins_fn and pairs_per_rank for the step's pre-pass")
@@ -135,14 +145,31 @@ class StepContextBuilder:
         else:
             matches = [None] * len(batches)
         delta = self._delta()
-        return [StepContext(bco_delta=delta, chosen_tokens_per_pair=tokens, aot=match) for match in matches]
+        return [
+            StepContext(
+                bco_delta=delta, chosen_tokens_per_pair=tokens, aot=match, chosen_sequence_tokens_per_pair=sequence
+            )
+            for match in matches
+        ]
 
     def for_microbatch(self, logps: PairLogps, weights: torch.Tensor | None = None) -> StepContext:
         """A micro-batch on its own (evaluation): delta of the training so far, this micro-batch's chosen tokens per
         (weighted) pair, and AOT sorted within the micro-batch."""
-        tokens = None
-        if self.token_mean:
-            counts = logps.chosen_token_counts.to(torch.float64)
-            w = torch.ones_like(counts) if weights is None else weights.to(counts.dtype)
-            tokens = (counts * w).sum() / w.sum().clamp(min=1e-12)
-        return StepContext(bco_delta=self._delta(), chosen_tokens_per_pair=tokens)
+        tokens = _weighted_mean(logps.chosen_token_counts, weights) if self.token_mean else None
+        sequence = None
+        if self.sequence_nll and logps.chosen_prompt_token_counts is not None:
+            sequence = _weighted_mean(logps.chosen_token_counts + logps.chosen_prompt_token_counts, weights)
+        return StepContext(
+            bco_delta=self._delta(), chosen_tokens_per_pair=tokens, chosen_sequence_tokens_per_pair=sequence
+        )
+
+
+def _chosen_tokens(batch: PackedPairBatch) -> int:
+    return int(chosen_scored_tokens(batch))
+
+
+def _weighted_mean(counts: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """The (pair-weighted) mean of per-pair token counts, float64 (eval fillers weigh 0)."""
+    values = counts.to(torch.float64)
+    w = torch.ones_like(values) if weights is None else weights.to(values.dtype)
+    return (values * w).sum() / w.sum().clamp(min=1e-12)

@@ -1,22 +1,77 @@
-"""The one-line run summary printed on stdout when training starts (rank 0): what runs, in plain words."""
+"""The run summary printed on stdout when training starts (rank 0): what runs, in plain words.
+
+One line (``pair_dpo: world_size=...``) names the layout, the attention kernel, the reference, the objective with its
+options, the precision and how each dataset was rendered; each place where the run deliberately differs from what
+TRL 1.16 would do with the same options, or where an option is ignored, follows as one ``pair_dpo: note: ...``
+line.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.losses.registry import uses_reference
 
+STEP_POOLED = ("sft", "aot", "aot_unpaired")
+"""Objectives pooled over the optimizer step here and over each micro-batch in TRL 1.16."""
 
-def reference_mode(args: PairDPOConfig, source: Any) -> str:
-    """``reference-free``, ``precomputed`` or ``online``, with the verified revision (or ``unpinned``), and
-    ``replicated (ref_zero_stage=0)`` when asked for."""
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the summary reports besides the config, as the trainer found it at train start.
+
+    Attributes:
+        attn_backend: The resolved attention kernel.
+        source: The reference source (``revision`` read when present), or None.
+        zero3_leaf_classes: ZeRO-3 leaf module classes (empty without ZeRO-3).
+        fsdp2: FSDP2 runs.
+        precision: The compute precision in words (:func:`precision_summary`); empty: not reported.
+        renderings: Dataset name -> how its rows became tokens (``data.dataset.rendering_summary``).
+        peft_reference: The reference is the PEFT policy with its adapters disabled.
+        ignored_reference: Reference settings a reference-free run does not use.
+        layers: What the decoder layers run (``training.layers.LayerPlan``: float8, checkpointing), or None.
+    """
+
+    attn_backend: str
+    source: Any = None
+    zero3_leaf_classes: tuple[str, ...] = ()
+    fsdp2: bool = False
+    precision: str = ""
+    renderings: Mapping[str, str] = field(default_factory=dict)
+    peft_reference: bool = False
+    ignored_reference: Sequence[str] = ()
+    layers: Any = None
+
+
+def reference_mode(args: PairDPOConfig, source: Any, *, peft_reference: bool = False) -> str:
+    """``reference-free``, ``precomputed`` or ``online`` (``PEFT adapters disabled`` for a PEFT policy's own base
+    model), with the verified revision (or ``unpinned``), and ``replicated (ref_zero_stage=0)`` when asked for."""
     if not uses_reference(args.loss_type, reference_free=args.reference_free):
         return "reference-free"
     mode = "precomputed" if args.precompute_ref_log_probs else "online"
+    if peft_reference:
+        mode += ", the policy with its PEFT adapters disabled"
     revision = getattr(source, "revision", None)
     replicated = ", replicated (ref_zero_stage=0)" if getattr(args, "ref_zero_stage", None) == 0 else ""
     return f"{mode}, {'verified revision ' + revision if revision else 'unpinned'}{replicated}"
+
+
+def precision_summary(mixed_precision: str, *, device_type: str, param_dtype: Any = None) -> str:
+    """The compute precision in words: ``fp32``, ``bf16 mixed``, ``fp16 mixed``, with the weights' dtype when it is
+    not float32 and ``on CPU`` for a CPU run (a bf16 launcher config applies there too).
+
+    Example:
+        >>> precision_summary("bf16", device_type="cpu")
+        'bf16 mixed on CPU'
+    """
+    text = "fp32" if mixed_precision in ("no", "", None) else f"{mixed_precision} mixed"
+    dtype = str(param_dtype).replace("torch.", "") if param_dtype is not None else "float32"
+    if dtype != "float32":
+        text += f", {dtype} weights"
+    return text + (" on CPU" if device_type == "cpu" else "")
 
 
 def _microbatches(args: PairDPOConfig) -> str:
@@ -28,35 +83,33 @@ def _microbatches(args: PairDPOConfig) -> str:
     return f"micro-batches of <= {budget} tokens{padded}"
 
 
-def run_summary(
-    args: PairDPOConfig,
-    *,
-    attn_backend: str,
-    source: Any,
-    zero3_leaf_classes: tuple[str, ...] = (),
-    fsdp2: bool = False,
-    layers: Any = None,
-) -> str:
-    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision, the
-    ZeRO-3 leaf module classes when there are any, and FSDP2 with the reference's layout when it runs.
+def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: Any) -> str:
+    """One line: world size, pairs per step, micro-batches, attention backend, reference mode, verified revision,
+    the objective and its options, the precision, each dataset's rendering, the ZeRO-3 leaf module classes when
+    there are any, and FSDP2 with the reference's layout when it runs.
 
     Example:
         ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
-        reference online, verified revision fc70...``
+        reference online, verified revision fc70... | loss sigmoid, beta=0.1, label_smoothing=0.0 | precision bf16
+        mixed | train: raw text (plain strings)``; ``details`` are the :class:`RunFacts` fields when ``facts`` is None.
     """
+    facts = facts if facts is not None else RunFacts(**details)
     per_rank = args.per_device_train_batch_size * args.gradient_accumulation_steps
-    leaves = f" | ZeRO-3 leaf modules {','.join(zero3_leaf_classes)}" if zero3_leaf_classes else ""
-    if fsdp2:
+    leaves = f" | ZeRO-3 leaf modules {','.join(facts.zero3_leaf_classes)}" if facts.zero3_leaf_classes else ""
+    if facts.fsdp2:
         layout = "replicated (ref_fsdp_shard=False)" if getattr(args, "ref_fsdp_shard", None) is False else "sharded"
         no_model = (
             not uses_reference(args.loss_type, reference_free=args.reference_free) or args.precompute_ref_log_probs
         )
         leaves += " | FSDP2" + ("" if no_model else f", reference {layout}")
+    precision = f" | precision {facts.precision}" if facts.precision else ""
+    data = "".join(f" | {name}: {rendering}" for name, rendering in facts.renderings.items())
+    reference = reference_mode(args, facts.source, peft_reference=facts.peft_reference)
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
-        f"{_microbatches(args)}) | attention {attn_backend} | "
-        f"reference {reference_mode(args, source)} | loss {objective_summary(args)}, beta={args.beta}{leaves}"
-        f"{layers.describe() if layers is not None else ''}{_allocator(args)}"
+        f"{_microbatches(args)}) | attention {facts.attn_backend} | reference {reference} | loss "
+        f"{objective_summary(args)}, beta={args.beta}, label_smoothing={args.label_smoothing}{precision}{data}{leaves}"
+        f"{facts.layers.describe() if facts.layers is not None else ''}{_allocator(args)}"
     )
 
 
@@ -86,6 +139,39 @@ def objective_summary(args: PairDPOConfig) -> str:
     return text + (f" ({', '.join(extra)})" if extra else "")
 
 
-def announce_run(args: PairDPOConfig, **details: Any) -> None:
-    """Prints :func:`run_summary` on stdout (the line a user reads in the launcher's log); rank 0 calls it."""
-    print(run_summary(args, **details), flush=True)
+def run_notes(args: PairDPOConfig, facts: RunFacts) -> list[str]:
+    """Plain-words notes: where this run deliberately differs from TRL 1.16 on the same options, and the settings
+    it ignores. Empty when there is nothing to say."""
+    notes: list[str] = []
+    if "sigmoid" in args.loss_type and args.label_smoothing > 0:
+        notes.append(
+            f"label_smoothing={args.label_smoothing} makes 'sigmoid' conservative DPO (cDPO: the label is assumed "
+            "flipped with that probability); TRL 1.16's 'sigmoid' ignores label_smoothing."
+        )
+    several = args.world_size > 1 or args.gradient_accumulation_steps > 1 or args.max_tokens_per_microbatch
+    pooled = [name for name in args.loss_type if name in STEP_POOLED]
+    if several and pooled:
+        notes.append(
+            f"{pooled} pool over the optimizer step's pairs (all micro-batches and ranks: 'sft' averages over the "
+            "step's chosen tokens, 'aot' sorts the step's margins); TRL 1.16 pools each micro-batch on its own."
+        )
+    if not args.reference_free and not uses_reference(args.loss_type):
+        notes.append(
+            f"loss_type={list(args.loss_type)} needs no reference, so none is built: rewards/* are beta * log pi "
+            "(TRL 1.16's DPOTrainer builds a reference for 'sft' too and logs rewards against it)."
+        )
+    if facts.ignored_reference:
+        reason = "reference_free=True" if args.reference_free else f"loss_type={list(args.loss_type)}"
+        notes.append(
+            f"{reason} builds no reference, so {', '.join(facts.ignored_reference)} "
+            f"{'is' if len(facts.ignored_reference) == 1 else 'are'} ignored."
+        )
+    return notes
+
+
+def announce_run(args: PairDPOConfig, facts: RunFacts | None = None, **details: Any) -> None:
+    """Prints :func:`run_summary` and then each of :func:`run_notes` on stdout (the lines a user reads in the
+    launcher's log); rank 0 calls it."""
+    facts = facts if facts is not None else RunFacts(**details)
+    lines = [run_summary(args, facts), *(f"pair_dpo: note: {note}" for note in run_notes(args, facts))]
+    print("\n".join(lines), flush=True)

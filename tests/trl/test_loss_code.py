@@ -1,4 +1,4 @@
-"""Parity with TRL 1.16's own loss code on the same per-token inputs (TRL is test-only: skipped without it).
+"""Parity with TRL 1.16's own loss code on the same inputs (TRL is test-only: skipped without it).
 
 TRL's ``DPOTrainer._compute_loss`` runs unchanged on a bare ``DPOTrainer`` object whose "models" return given
 per-token quantities (what TRL's fused LM head returns: ``log_probs``, ``entropy``, ``mean_logits``, ``is_top1``,
@@ -7,8 +7,10 @@ through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs
 weights
 from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the
 objective
-and :class:`~pair_dpo_trainer.training.metrics.PairMetrics`. SimPO and ORPO are compared with TRL's experimental
-``CPOTrainer.cpo_loss`` / ``ORPOTrainer.odds_ratio_loss``, TR-DPO's mixing with TRL's ``SyncRefModelCallback``.
+and :class:`~pair_dpo_trainer.training.metrics.PairMetrics`. SimPO is compared with TRL's experimental
+``CPOTrainer.cpo_loss``; ORPO's whole loss (NLL and odds ratio) and its gradient with TRL's experimental
+``ORPOTrainer`` on the bundled tiny Llama (its own tokenisation, collator and forward); TR-DPO's mixing with TRL's
+``SyncRefModelCallback``.
 
 Tolerance: 1e-10 absolute/relative in float64 (float32 for ``alpha_divergence``, whose clamp table TRL keys by
 float32/bf16/fp16 only: 1e-5). Deliberate differences are asserted as such (see docs/losses.md).
@@ -23,7 +25,7 @@ import pytest
 import torch
 
 from pair_dpo_trainer.collators import PackedPairCollator
-from pair_dpo_trainer.losses import LossParams, Objective
+from pair_dpo_trainer.losses import LossParams, Objective, StepContext
 from pair_dpo_trainer.modeling.logprobs import length_desensitized_weights, sequence_logps_from_tokens
 from pair_dpo_trainer.trainer import pair_logps_from_sequences
 from pair_dpo_trainer.training.metrics import PairMetrics
@@ -138,7 +140,9 @@ class Case:
                 rows.append(per_token[row][self.scored[row]])
         return torch.cat(rows)
 
-    def ours(self, loss_type: list[str], *, loss_weights=None, ld_alpha=None, use_weighting=False, **params):
+    def ours(
+        self, loss_type: list[str], *, loss_weights=None, ld_alpha=None, use_weighting=False, context=None, **params
+    ):
         """Our per-pair mean loss and metrics from the same per-token values, through the training path's code."""
         batch = self.packed_batch()
         if ld_alpha is not None:
@@ -149,7 +153,7 @@ class Case:
         ref = sequence_logps_from_tokens(self._packed(self.ref), None, sequences, batch).logps
         pair = pair_logps_from_sequences(policy, ref, batch)
         objective = Objective(loss_type, loss_weights, LossParams(**params), use_weighting=use_weighting)
-        output = objective(pair)
+        output = objective(pair, context or StepContext())
         metrics = PairMetrics(objective.names)
         metrics.update(pair, output.losses, params.get("beta", 0.1), token_stats=policy.token_stats)
         return output.losses.mean(), metrics.reduce(torch.device("cpu"))
@@ -159,11 +163,11 @@ CASES = {
     # name: (TRL loss_type and options, our loss_type and options)
     "sigmoid": ((["sigmoid"], {}), (["sigmoid"], {})),
     "hinge": ((["hinge"], {"beta": 0.5}), (["hinge"], {"beta": 0.5})),
-    "ipo (TRL) = ipo_norm (ours)": ((["ipo"], {}), (["ipo_norm"], {})),
+    "ipo": ((["ipo"], {}), (["ipo"], {})),
     "exo_pair": ((["exo_pair"], {"label_smoothing": 1e-3}), (["exo_pair"], {"label_smoothing": 1e-3})),  # 1e-7
     "nca_pair": ((["nca_pair"], {}), (["nca_pair"], {})),
     "robust": ((["robust"], {"label_smoothing": 0.1}), (["robust"], {"label_smoothing": 0.1})),
-    "bco_pair (delta 0)": ((["bco_pair"], {}), (["bco_pair"], {})),
+    "bco_pair": ((["bco_pair"], {}), (["bco_pair"], {})),
     "sppo_hard": ((["sppo_hard"], {}), (["sppo_hard"], {})),
     "aot": ((["aot"], {"label_smoothing": 0.1}), (["aot"], {"label_smoothing": 0.1})),
     "aot_unpaired": ((["aot_unpaired"], {}), (["aot_unpaired"], {})),
@@ -180,7 +184,7 @@ CASES = {
         (["sigmoid", "bco_pair", "sft"], {"loss_weights": [0.8, 0.2, 1.0]}),
     ),
     "ld_alpha sigmoid": ((["sigmoid"], {"ld_alpha": 0.3}), (["sigmoid"], {"ld_alpha": 0.3})),
-    "ld_alpha ipo + sft": ((["ipo", "sft"], {"ld_alpha": 0.0}), (["ipo_norm", "sft"], {"ld_alpha": 0.0})),
+    "ld_alpha ipo + sft": ((["ipo", "sft"], {"ld_alpha": 0.0}), (["ipo", "sft"], {"ld_alpha": 0.0})),
     "wpo sigmoid": ((["sigmoid"], {"use_weighting": True}), (["sigmoid"], {"use_weighting": True})),
     "wpo mixture": (
         (["sigmoid", "sigmoid_norm"], {"use_weighting": True, "loss_weights": [1.0, 0.5]}),
@@ -188,7 +192,7 @@ CASES = {
     ),
     "forward_kl": (
         (["sigmoid", "ipo"], {"f_divergence_type": "forward_kl"}),
-        (["sigmoid", "ipo_norm"], {"f_divergence_type": "forward_kl"}),
+        (["sigmoid", "ipo"], {"f_divergence_type": "forward_kl"}),
     ),
     "js_divergence": ((["discopop"], {"f_divergence_type": "js_divergence"}),) * 2,
 }
@@ -273,14 +277,25 @@ def test_trl_cannot_weight_sft_and_we_can():
     assert torch.isfinite(loss) and float(loss) > 0
 
 
-def test_ipo_differs_from_trl_and_ipo_norm_is_trl():
-    """Our 'ipo' squares the summed log-ratio difference (Eq. 17 as written); TRL's 'ipo' is our 'ipo_norm'."""
+def test_ipo_is_trl_and_ipo_sum_is_the_papers_summed_form():
+    """``ipo`` is TRL's per-token IPO; ``ipo_sum`` squares the summed log-ratio difference (Eq. 17 as written)."""
     case = Case(seed=7)
     trl_ipo, _ = case.trl(["ipo"])
     ours_ipo, _ = case.ours(["ipo"])
-    ours_norm, _ = case.ours(["ipo_norm"])
-    assert float(ours_norm) == pytest.approx(float(trl_ipo), rel=1e-10)
-    assert abs(float(ours_ipo) - float(trl_ipo)) > 1e-2
+    ours_sum, _ = case.ours(["ipo_sum"])
+    assert float(ours_ipo) == pytest.approx(float(trl_ipo), rel=1e-10)
+    assert abs(float(ours_sum) - float(trl_ipo)) > 1e-2
+
+
+def test_bco_pair_has_no_reward_shift_as_trl_and_bco_pair_shift_has_one():
+    """TRL 1.16's ``bco_pair`` has no reward shift: ours ignores a running delta; ``bco_pair_shift`` subtracts it."""
+    case = Case(seed=9)
+    trl_loss, _ = case.trl(["bco_pair"])
+    shifted = StepContext(bco_delta=0.3)
+    ours, _ = case.ours(["bco_pair"], context=shifted)
+    ours_shift, _ = case.ours(["bco_pair_shift"], context=shifted)
+    assert float(ours) == pytest.approx(float(trl_loss), rel=1e-10)
+    assert abs(float(ours_shift) - float(trl_loss)) > 1e-3
 
 
 def _avg_logps(seed: int):
@@ -306,20 +321,63 @@ def test_simpo_equals_trl_cpo_trainer_simpo_loss():
     torch.testing.assert_close(ours, trl_losses, rtol=PARITY_TOLERANCE, atol=PARITY_TOLERANCE)
 
 
-def test_orpo_odds_ratio_term_equals_trl_orpo_trainer():
-    """ORPO = NLL + lambda * L_OR: the L_OR term equals TRL's; the NLL is the paper's per-sequence mean (TRL: the
-    token mean of its micro-batch, a deliberate difference)."""
-    orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
-    chosen, rejected, counts = _avg_logps(2)
-    fake = SimpleNamespace(beta=0.25, accelerator=_Accelerator())
-    trl_terms = orpo.ORPOTrainer.odds_ratio_loss(fake, chosen, rejected)[0]  # beta * log sigmoid(log odds), float32
-    from pair_dpo_trainer.losses import LOSS_FUNCTIONS, PairLogps
+ORPO_ROWS = [
+    {"prompt": "sort 3 1 2 :", "chosen": " 1 2 3", "rejected": " 3 2 1 9 9"},
+    {"prompt": "count up 1 to 5 please a b c d e f :", "chosen": " 1 2 3 4 5", "rejected": " 5"},
+    {"prompt": "x :", "chosen": " y z", "rejected": " z y y"},
+]
 
-    zero = torch.zeros_like(chosen)
-    pair = PairLogps(chosen * counts[0], rejected * counts[1], zero, zero, counts[0], counts[1])
-    ours = LOSS_FUNCTIONS["orpo"](pair, LossParams(beta=0.25))
-    nll = -chosen  # the per-sequence mean NLL
-    torch.testing.assert_close((ours - nll).float(), -trl_terms, rtol=1e-6, atol=1e-6)  # TRL computes in float32
+
+def test_orpo_loss_and_gradient_equal_trl_orpo_trainer():
+    """The whole ORPO loss, NLL and odds ratio: TRL's ``ORPOTrainer`` pools the NLL over every token after the first
+    of the chosen sequences of its micro-batch (prompt and completion); ours from the same token ids through the
+    training path (collator, packed log-probs with the chosen prompts, objective). Float64 model, TRL's odds ratio
+    in float32: 1e-6."""
+    orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
+    from trl.experimental.utils import DPODataCollatorWithPadding
+
+    from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+    from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
+    from tests.models import demo_llama
+
+    model, tok = demo_llama()
+    model = model.double().eval()
+    bare = orpo.ORPOTrainer.__new__(orpo.ORPOTrainer)
+    bare.__dict__.update(
+        processing_class=tok,
+        is_encoder_decoder=False,
+        max_length=1024,
+        padding_value=tok.pad_token_id,
+        aux_loss_enabled=False,
+        beta=0.1,
+        accelerator=SimpleNamespace(device=torch.device("cpu")),
+    )
+    rows = [orpo.ORPOTrainer.tokenize_row(bare, row) for row in ORPO_ROWS]
+    batch = DPODataCollatorWithPadding(pad_token_id=tok.pad_token_id)(rows)
+    chosen, rejected, _, _, nll = orpo.ORPOTrainer.concatenated_forward(bare, model, batch)
+    trl_loss = nll - orpo.ORPOTrainer.odds_ratio_loss(bare, chosen, rejected)[0].mean()
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    trl_grads = torch.autograd.grad(trl_loss, parameters)
+
+    features = []
+    for row in rows:
+        prompt = list(row["prompt_input_ids"])
+        features.append(
+            {
+                "prompt_input_ids": prompt,
+                "chosen_input_ids": list(row["chosen_input_ids"][len(prompt) :]),
+                "rejected_input_ids": list(row["rejected_input_ids"][len(prompt) :]),
+            }
+        )
+    enable_pair_varlen(model, "sdpa_segments")
+    packed = PackedPairCollator(score_chosen_prompts=True)(features)
+    policy = packed_policy_logps(model, packed, chunk_size=7)
+    pair = pair_logps_from_sequences(policy, torch.zeros(2 * len(rows), dtype=torch.float64), packed)
+    ours = Objective(["orpo"], None, LossParams(beta=0.1))(pair).losses.mean()
+    our_grads = torch.autograd.grad(ours, parameters)
+    assert float(ours.detach()) == pytest.approx(float(trl_loss.detach()), rel=1e-6, abs=1e-7)
+    for mine, theirs in zip(our_grads, trl_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-7)
 
 
 def test_tr_dpo_mixing_equals_trl_sync_ref_model_callback():
