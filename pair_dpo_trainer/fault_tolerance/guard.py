@@ -3,10 +3,11 @@
 ``PairDPOTrainer`` calls it in three places and nowhere else:
 
 - ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
-  outcome), ``ddp_timeout`` on every process group, the resume checkpoint resolved (``latest`` / ``auto``), staged
-  leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary callback installed; on the way
-  out a preemption becomes :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that
-  timed out or lost its peer becomes ``collective_timeout`` / ``peer_lost``.
+  outcome; every node must see it), ``ddp_timeout`` on every process group, the resume checkpoint resolved
+  (``latest`` / ``auto``), staged leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary
+  callback installed; on the way out a preemption becomes
+  :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that timed out or lost its
+  peer becomes ``collective_timeout`` / ``peer_lost``, naming the lost ranks and their hosts.
 - ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
   resumed checkpoint's, recorded in every new one).
 - ``_save_checkpoint()`` delegates to :meth:`RunGuard.save_checkpoint` (``fault_tolerance/checkpoint.py``).
@@ -35,13 +36,15 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import PreemptionHandler, TrainingPreempted
 from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
-from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
+from pair_dpo_trainer.fault_tolerance.shared_dir import check_output_dir_shared
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree, is_multiprocess
 from pair_dpo_trainer.parallel.collectives import (
     apply_collective_timeout,
     check_nccl_error_handling,
     collective_failure,
     end_process_group,
 )
+from pair_dpo_trainer.parallel.roll_call import RollCall, describe_lost
 
 logger = logging.getLogger(__name__)
 
@@ -55,12 +58,18 @@ class GuardOptions:
         ddp_timeout: Seconds a collective may wait before the job ends (``collective_timeout``).
         rank: This process's global rank.
         allow_resume_data_mismatch: Resume a checkpoint of another schedule instead of refusing it.
+        node_id: Global rank of this node's local main process.
+        local_main: This process is its node's local main.
+        save_on_each_node: ``TrainingArguments.save_on_each_node`` (refused on more than one node).
     """
 
     output_dir: str
     ddp_timeout: float
     rank: int = 0
     allow_resume_data_mismatch: bool = False
+    node_id: int = 0
+    local_main: bool = True
+    save_on_each_node: bool = False
 
     @classmethod
     def from_args(cls, args: TrainingArguments) -> GuardOptions:
@@ -70,6 +79,9 @@ class GuardOptions:
             ddp_timeout=float(args.ddp_timeout),
             rank=int(args.process_index),
             allow_resume_data_mismatch=bool(getattr(args, "allow_resume_data_mismatch", False)),
+            node_id=int(args.process_index - args.local_process_index),
+            local_main=args.local_process_index == 0,
+            save_on_each_node=bool(args.save_on_each_node),
         )
 
 
@@ -82,6 +94,7 @@ class RunGuard:
         self.resume_checkpoint: str | None = None
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
+        self._hosts: list[str] = []  # every rank's host (rank order), for the lost-peer messages
 
     @property
     def _is_main(self) -> bool:
@@ -100,9 +113,11 @@ class RunGuard:
         ``options`` are what fault tolerance reads of the run's options (:meth:`GuardOptions.from_args`).
 
         Raises:
-            RunError: ``output_dir_in_use`` (on every rank), ``collective_timeout``, ``peer_lost``.
+            RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node
+                run see different directories), ``collective_timeout``, ``peer_lost``.
             CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``).
-            ConfigError: ``unsupported_combination`` for NCCL without a collective timeout.
+            ConfigError: ``unsupported_combination`` for NCCL without a collective timeout, or ``save_on_each_node``
+                on more than one node.
             TrainingPreempted: after a SIGTERM, once the checkpoint is saved on every rank.
         """
         self.options = options
@@ -110,6 +125,7 @@ class RunGuard:
         apply_collective_timeout(self.options.ddp_timeout)
         self._lock(trainer)
         self.resume_checkpoint = self._resolve(resume_from_checkpoint)
+        roll_call = RollCall(self.options.rank, len(self._hosts)).start() if is_multiprocess() else None
         callback = _GuardCallback(self)
         trainer.add_callback(callback)
         self.preemption.install()
@@ -117,11 +133,14 @@ class RunGuard:
             yield self.resume_checkpoint
             self._finish(trainer)
         except RuntimeError as exc:
-            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank)
+            lost = None if roll_call is None else lambda: describe_lost(roll_call.absent(), self._hosts)
+            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank, lost=lost)
             if failure is None:
                 raise
             raise failure from exc
         finally:
+            if roll_call is not None:
+                roll_call.stop()
             self.preemption.restore()
             trainer.remove_callback(callback)
 
@@ -151,7 +170,8 @@ class RunGuard:
 
         Processes that share a process group but are each their own Trainer "main process" all try; one is refused,
         so all stop. ``launch.py`` refuses such launches first (``launch_not_one_job``; torchrun without ``use_cpu``
-        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``.
+        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``. On more
+        than one node, each node's local main then checks that it sees that lock (``shared_dir.py``).
         """
         if self._locked == self._output_dir:
             return
@@ -168,6 +188,13 @@ class RunGuard:
         refusals = [r for r in all_gather_cpu(refusal) if r is not None]  # any rank that tried and was refused
         if refusals:
             raise RunError(*refusals[0])
+        options = self.options
+        self._hosts = check_output_dir_shared(  # output_dir_not_shared: every node must see the lock just taken
+            self._output_dir,
+            node_id=options.node_id,
+            local_main=options.local_main,
+            save_on_each_node=options.save_on_each_node,
+        )
         self._locked = self._output_dir
 
     def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
