@@ -63,7 +63,7 @@ from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.schedule import train_sampler
-from pair_dpo_trainer.training.summary import announce_run
+from pair_dpo_trainer.training.summary import announce_node, announce_run
 
 logger = logging.getLogger(__name__)
 
@@ -228,6 +228,9 @@ class PairDPOTrainer(Trainer):
                     zero3_leaf_classes=self.zero3_leaf_classes,
                     fsdp2=self.fsdp_plugin is not None,
                 )
+            node_ranks = self.run_guard.node_ranks()  # None on one node
+            if node_ranks is not None and self.args.local_process_index == 0:
+                announce_node(node_ranks, train_dataset=self.train_dataset, source=self.reference_source)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def evaluate(self, eval_dataset: Any = None, *args: Any, **kwargs: Any) -> dict[str, float]:

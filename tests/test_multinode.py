@@ -119,6 +119,18 @@ def test_each_node_tokenises_once_and_both_nodes_train_on_the_same_bytes(ddp, cl
         assert len({r["pairs_file"] for r in records}) == 1
 
 
+def test_each_node_logs_its_own_line_and_rank_0_the_run_summary(ddp, cluster):
+    records = ddp.records("main")
+    for node in range(NODES):  # the launcher of node N (c10d numbers the nodes by its own order)
+        first, last = [r for r in RANKS if records[r]["where"]["disk"]["node"] == node]
+        log = cluster.log("ddp", node)
+        lines = [line for line in log.splitlines() if line.startswith("pair_dpo: node ")]
+        host, pairs = records[first]["where"]["host"], records[first]["pairs_file"]
+        assert lines == [f"pair_dpo: node {host} (ranks {first}-{last}) | train pairs tokenised here: {pairs} | "
+                         f"reference snapshot: {records[0]['snapshot_files']} files hashed here"], lines  # fmt: skip
+        assert log.count("pair_dpo: world_size=4 | 8 pairs/step (2 per rank in 1 micro-batches)") == (first == 0)
+
+
 def test_each_node_hashes_the_reference_snapshot_once(ddp):
     records = ddp.records("main")
     assert [r["files_hashed"] for r in records] == [records[0]["snapshot_files"], 0] * 2

@@ -36,7 +36,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import PreemptionHandler, TrainingPreempted
 from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
-from pair_dpo_trainer.fault_tolerance.shared_dir import check_output_dir_shared
+from pair_dpo_trainer.fault_tolerance.shared_dir import NodeView, check_output_dir_shared
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree, is_multiprocess
 from pair_dpo_trainer.parallel.collectives import (
     apply_collective_timeout,
@@ -94,7 +94,7 @@ class RunGuard:
         self.resume_checkpoint: str | None = None
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
-        self._hosts: list[str] = []  # every rank's host (rank order), for the lost-peer messages
+        self.views: list[NodeView] = []  # every rank's node and host (rank order), known once the lock is taken
 
     @property
     def _is_main(self) -> bool:
@@ -125,7 +125,7 @@ class RunGuard:
         apply_collective_timeout(self.options.ddp_timeout)
         self._lock(trainer)
         self.resume_checkpoint = self._resolve(resume_from_checkpoint)
-        roll_call = RollCall(self.options.rank, len(self._hosts)).start() if is_multiprocess() else None
+        roll_call = RollCall(self.options.rank, len(self.views)).start() if is_multiprocess() else None
         callback = _GuardCallback(self)
         trainer.add_callback(callback)
         self.preemption.install()
@@ -133,7 +133,8 @@ class RunGuard:
             yield self.resume_checkpoint
             self._finish(trainer)
         except RuntimeError as exc:
-            lost = None if roll_call is None else lambda: describe_lost(roll_call.absent(), self._hosts)
+            hosts = [view.host for view in self.views]
+            lost = None if roll_call is None else lambda: describe_lost(roll_call.absent(), hosts)
             failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank, lost=lost)
             if failure is None:
                 raise
@@ -143,6 +144,12 @@ class RunGuard:
                 roll_call.stop()
             self.preemption.restore()
             trainer.remove_callback(callback)
+
+    def node_ranks(self) -> list[int] | None:
+        """The ranks of this process's node when the job spans more than one node (else None); known in a session."""
+        if len({view.node_id for view in self.views}) <= 1:
+            return None
+        return [rank for rank, view in enumerate(self.views) if view.node_id == self.options.node_id]
 
     def check_schedule(self, fingerprint: str) -> None:
         """Records the train schedule's fingerprint; on resume refuses a checkpoint of another schedule.
@@ -189,7 +196,7 @@ class RunGuard:
         if refusals:
             raise RunError(*refusals[0])
         options = self.options
-        self._hosts = check_output_dir_shared(  # output_dir_not_shared: every node must see the lock just taken
+        self.views = check_output_dir_shared(  # output_dir_not_shared: every node must see the lock just taken
             self._output_dir,
             node_id=options.node_id,
             local_main=options.local_main,

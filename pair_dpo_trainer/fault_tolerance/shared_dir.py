@@ -51,7 +51,7 @@ def lock_token(output_dir: str | os.PathLike[str]) -> str | None:
 
 def check_output_dir_shared(
     output_dir: str, *, node_id: int, local_main: bool, save_on_each_node: bool, deadline_s: float = VISIBILITY_SECONDS
-) -> list[str]:
+) -> list[NodeView]:
     """Refuses a multi-node run whose nodes do not share ``output_dir`` (module docstring). A collective: every rank
     calls it, after rank 0 holds the lock.
 
@@ -63,7 +63,7 @@ def check_output_dir_shared(
         deadline_s: How long a node that does not see the lock record looks again.
 
     Returns:
-        Every rank's host name, in rank order (the lost-peer messages name hosts with it).
+        Every rank's view (node, host), in rank order: the lost-peer messages name hosts with it.
 
     Raises:
         ConfigError: ``unsupported_combination`` for ``save_on_each_node`` on more than one node.
@@ -73,15 +73,14 @@ def check_output_dir_shared(
     while True:
         token = lock_token(output_dir) if local_main else None
         views = [NodeView(*view) for view in all_gather_cpu((node_id, socket.gethostname(), local_main, token))]
-        hosts = [view.host for view in views]
         if len({view.node_id for view in views}) <= 1:
-            return hosts
+            return views
         if save_on_each_node:
             raise ConfigError("unsupported_combination", _save_on_each_node_message(views))
         expected = views[0].token
         missing = [view for view in views if view.local_main and (expected is None or view.token != expected)]
         if not missing:
-            return hosts
+            return views
         if all_gather_cpu(time.monotonic() > give_up)[0]:  # rank 0's clock decides, so every rank stops together
             raise RunError("output_dir_not_shared", _not_shared_message(output_dir, views[0], missing))
         time.sleep(_POLL_SECONDS)
