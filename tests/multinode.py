@@ -7,7 +7,8 @@ its own mount and UTS namespace: host name ``node<N>``, an ``/etc/hosts`` that m
 (the network namespace is shared: the ranks talk over loopback), and its disk bind-mounted at one path, ``LOCAL``, so
 both nodes see the same path with different contents, as two machines would. Elsewhere (no namespaces) the nodes
 share the host name and each gets its disk at its own path: the counts per node still hold (each node's launcher and
-ranks read only their own disk), but a path that two nodes would resolve to the same place is not simulated.
+ranks read only their own disk), and a node-local output_dir is one each node names by its own disk
+(``$PAIR_DPO_NODE_DISK/out``), but one path holding different contents on two nodes is not simulated.
 
 ``--nnodes 2`` with a c10d rendezvous numbers the nodes by its own order (torch sorts the participants), not by
 ``--node_rank``: a rank's node is its ``GROUP_RANK``, recorded by the worker with the disk it saw.
@@ -37,7 +38,10 @@ PROCS_PER_NODE = 2
 
 @functools.cache
 def namespaces_available() -> bool:
-    """True when this process may create mount + UTS namespaces and bind-mount in them (root with CAP_SYS_ADMIN)."""
+    """True when this process may create mount + UTS namespaces and bind-mount in them (root with CAP_SYS_ADMIN);
+    ``PAIR_DPO_TESTS_NO_NAMESPACES=1`` runs the fallback anyway."""
+    if os.environ.get("PAIR_DPO_TESTS_NO_NAMESPACES") == "1":
+        return False
     try:
         probe = subprocess.run(
             ["unshare", "--mount", "--uts", "--propagation", "private", "--", "sh", "-c",

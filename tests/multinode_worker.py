@@ -5,9 +5,10 @@ simulated node, tests/multinode.py). SPEC_FILE is JSON with ``results`` (a direc
 the other in this process. Each run trains the bundled tiny Llama, loaded by path with its pinned revision (so each
 node's local main hashes the snapshot), on raw demo rows (so each node's local main tokenises them). A run has:
 
-- ``name``, ``out`` (output_dir), ``max_steps``, ``save_steps``, ``resume`` (passed to ``train``), ``options``
-  (more ``PairDPOConfig`` fields), ``step_sleep`` (seconds after each step), ``hold_until`` (after step 1, wait until
-  that file exists), ``keep_going`` (a refused or failed run is recorded and the next run starts);
+- ``name``, ``out`` (output_dir; environment variables in it are expanded on each node, e.g.
+  ``$PAIR_DPO_NODE_DISK``, the node's local disk), ``max_steps``, ``save_steps``, ``resume`` (passed to ``train``),
+  ``options`` (more ``PairDPOConfig`` fields), ``step_sleep`` (seconds after each step), ``hold_until`` (after step
+  1, wait until that file exists), ``keep_going`` (a refused or failed run is recorded and the next run starts);
 - ``fault``: ``{"kind": "die", "step": S, "rank": R}``: SIGKILL itself at the end of step S, once (a marker file
   ``<results>/<name>.died`` remembers it), so an elastic restart runs clean.
 
@@ -162,6 +163,7 @@ def data_facts(trainer: PairDPOTrainer) -> dict[str, Any]:
 
 def run_one(run: dict[str, Any], results: Path) -> bool:
     """Trains one run; records it. Returns False when it failed and the next runs should not start."""
+    run = {**run, "out": os.path.expandvars(run["out"])}
     record: dict[str, Any] = {"where": where()}
     path = results / f"{run['name']}.rank{rank()}.json"
     CALLS["tokenize_pair"] = 0
