@@ -41,16 +41,22 @@ class RollCall:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def start(self) -> RollCall:
-        """Starts this rank's heartbeat (a daemon thread)."""
+    def start(self) -> RollCall | None:
+        """Starts this rank's heartbeat (a daemon thread); None when the job has no key-value store to beat in."""
         if self.store is None:
-            self.store = _default_store()
+            try:
+                self.store = _default_store()
+            except Exception:  # noqa: BLE001 - no default store (a group built without one): no names then
+                return None
         self._thread = threading.Thread(target=self._beat, name="pair-dpo-alive", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Ends the heartbeat (waits a moment for the thread, never for a store that stopped answering)."""
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=1.0)
 
     def _beat(self) -> None:
         for count in itertools.count():
