@@ -73,7 +73,7 @@ from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.schedule import check_train_rows, train_sampler
-from pair_dpo_trainer.training.summary import RunFacts, announce_run, precision_summary
+from pair_dpo_trainer.training.summary import RunFacts, announce_node, announce_run, precision_summary
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,9 @@ class PairDPOTrainer(Trainer):
             self._prepare_layers(training=True)
             if self.is_world_process_zero():
                 announce_run(self.args, self._run_facts())
+            node_ranks = self.run_guard.node_ranks()  # None on one node
+            if node_ranks is not None and self.args.local_process_index == 0:
+                announce_node(node_ranks, train_dataset=self.train_dataset, source=self.reference_source)
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _run_facts(self) -> RunFacts:

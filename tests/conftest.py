@@ -1,4 +1,5 @@
-"""Test-wide fixtures: every test gets its own tokenised-pairs cache, so no test sees another's entries."""
+"""Test-wide fixtures: every test gets its own tokenised-pairs cache, so no test sees another's entries; the one-process
+run the 2-node tests compare with is trained once per session."""
 
 from __future__ import annotations
 
@@ -19,3 +20,11 @@ def _eager_head_kernels():
     from pair_dpo_trainer.modeling.logprobs import eager_head_kernels
 
     eager_head_kernels()
+
+
+@pytest.fixture(scope="session")
+def dp1_reference(tmp_path_factory):
+    """The DP=1 run of the 2-node tests (``tests.multinode.train_dp1``): gradients, losses, final parameters."""
+    from tests.multinode import train_dp1
+
+    return train_dp1(tmp_path_factory.mktemp("dp1"))

@@ -59,3 +59,71 @@ def test_nccl_error_handling_switched_off_is_a_problem_unless_blocking_wait():
     assert "TORCH_NCCL_ASYNC_ERROR_HANDLING=0" in nccl_timeout_problem({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"})
     assert nccl_timeout_problem({"NCCL_ASYNC_ERROR_HANDLING": "0"}) is not None
     assert nccl_timeout_problem({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "TORCH_NCCL_BLOCKING_WAIT": "1"}) is None
+
+
+# ---------------------------------------------------------------------------------------------- naming the lost ranks
+def _stores(count: int) -> tuple[object, list]:
+    """A TCPStore server and ``count`` clients of it (a job's store as its ranks see it)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from tests.ports import free_port
+
+    port, timeout = free_port(), datetime.timedelta(seconds=5)
+    server = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)
+    return server, [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) for _ in range(count)]
+
+
+def test_the_roll_call_names_ranks_without_heartbeat_and_spares_the_witnesses():
+    """Ranks 0-2 beat; rank 3 never does (dead). Rank 1 stops beating but witnessed the failure (it left with its own
+    error in hand): only rank 3 is lost, named with its host."""
+    from pair_dpo_trainer.parallel.roll_call import RollCall, describe_lost
+
+    server, clients = _stores(4)
+    calls = [RollCall(rank, 4, store=clients[rank]) for rank in range(4)]
+    prefixes = {call.prefix for call in calls}
+    for call in calls:  # one process plays every rank: give them the prefix every rank of one session shares
+        call.prefix = calls[0].prefix
+    assert len(prefixes) == 4  # (each RollCall of a process is a new session)
+    for call in calls[:3]:
+        call.start()
+    calls[1].stop()
+    calls[1].absent(seconds=0.1)  # rank 1 witnessed the failure, then exits
+    try:
+        absent = calls[0].absent(seconds=2.5)
+    finally:
+        for call in calls:
+            call.stop()
+    assert absent == [3]
+    hosts = ["node0", "node0", "node1", "node1"]
+    assert describe_lost(absent, hosts) == "rank 3 (host node1): no heartbeat for 4 s after the failure"
+    assert describe_lost([2, 3], hosts).startswith("ranks 2, 3 (host node1)")
+
+
+def test_a_store_that_no_longer_answers_names_rank_0_s_node():
+    from pair_dpo_trainer.parallel.roll_call import RollCall, describe_lost
+
+    server, (client,) = _stores(1)
+    call = RollCall(0, 2, store=client)
+    del server  # the server goes with its process (its node)
+    assert call.absent(seconds=1) is None
+    assert "rank 0's node (host node0" in describe_lost(None, ["node0", "node1"])
+
+
+def test_a_collective_failure_carries_the_lost_ranks_and_only_a_failure_asks_for_them():
+    asked = []
+
+    def lost():
+        asked.append(1)
+        return "rank 3 (host node1): no heartbeat for 4 s after the failure"
+
+    exc = _raise_through(
+        [(os.path.join(SITE, "torch", "distributed", "distributed_c10d.py"), "all_reduce")],
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:4100",
+    )
+    error = collective_failure(exc, timeout_s=60, rank=0, lost=lost)
+    assert error is not None and error.reason_code == "peer_lost"
+    assert "Lost: rank 3 (host node1): no heartbeat" in str(error)
+    assert collective_failure(RuntimeError("CUDA out of memory"), timeout_s=60, rank=0, lost=lost) is None
+    assert asked == [1]

@@ -65,6 +65,37 @@ def test_processes_that_do_not_form_one_job_are_named():
     assert launch.launch_problem(2, {**one_of_many, "OMPI_COMM_WORLD_SIZE": "2"}) is None  # under mpirun
 
 
+@pytest.mark.parametrize(
+    "env,refused",
+    [
+        ({}, False),  # not under torchrun
+        ({"TORCHELASTIC_MAX_RESTARTS": "0", "TORCHELASTIC_USE_AGENT_STORE": "True"}, False),  # no restarts
+        ({"TORCHELASTIC_MAX_RESTARTS": "1", "TORCHELASTIC_USE_AGENT_STORE": "True"}, True),  # static, or c10d default
+        ({"TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_USE_AGENT_STORE": "False"}, False),  # c10d, store of its own
+    ],
+)
+def test_a_restartable_elastic_launch_needs_a_store_of_its_own(env, refused):
+    """The variables torchrun 2.13 sets for ``--max-restarts N`` (TORCHELASTIC_USE_AGENT_STORE=False with c10d and
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): a restart through the shared store never connects (tests/test_multinode
+    restarts with it off)."""
+    problem = launch.elastic_restart_problem(env)
+    assert (problem is not None) is refused
+    if refused:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in problem and "--rdzv-backend c10d" in problem
+
+
+def test_the_config_refuses_a_restartable_launch_on_the_shared_store(monkeypatch, tmp_path):
+    from pair_dpo_trainer import ConfigError, PairDPOConfig
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(ConfigError) as refused:
+        PairDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    assert refused.value.reason_code == "elastic_restart_unsafe"
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    PairDPOConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+
+
 # ------------------------------------------------------------------ shipped accelerate configs, parsed by accelerate
 
 # config -> (launcher accelerate picks, processes, what else the name promises)
@@ -97,6 +128,21 @@ def _accelerate_decision(config: Path) -> tuple[str, int, dict]:
         ds["zero_stage"] = ds_file["zero_optimization"]["stage"]
     facts = {"use_cpu": bool(args.use_cpu), "mixed_precision": args.mixed_precision, "num_machines": args.num_machines}
     return launcher, int(args.num_processes), {**facts, **ds}
+
+
+def test_the_multinode_configs_state_the_rendezvous_accelerate_uses():
+    """accelerate 1.15 takes ``rdzv_backend`` and ``same_network`` from the command line only (their flags have
+    defaults, and a config value is used only where a flag is unset): a config saying ``c10d`` ran a static
+    rendezvous. The shipped multi-node configs say what runs; c10d is asked for on the command line (guide
+    section 9)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
+    for name in ("zero3_multinode.yaml", "fsdp2_multinode.yaml"):
+        stated = yaml.safe_load((CONFIGS / name).read_text())
+        args, _, _ = _validate_launch_command(
+            launch_command_parser().parse_args(["--config_file", str(CONFIGS / name), "x"])
+        )
+        assert (stated["rdzv_backend"], stated["same_network"]) == (args.rdzv_backend, args.same_network), name
 
 
 def test_every_shipped_config_is_checked():

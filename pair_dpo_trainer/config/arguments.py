@@ -22,7 +22,13 @@ from typing import Any
 from transformers import TrainingArguments
 
 from pair_dpo_trainer.config.allocator import apply_allocator_default
-from pair_dpo_trainer.config.launch import launch_problem, precision_problem, resolve_bf16, resolve_use_cpu
+from pair_dpo_trainer.config.launch import (
+    elastic_restart_problem,
+    launch_problem,
+    precision_problem,
+    resolve_bf16,
+    resolve_use_cpu,
+)
 from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
 from pair_dpo_trainer.errors import ConfigError, Problem, raise_problems
 
@@ -431,6 +437,9 @@ class PairDPOConfig(TrainingArguments):
         launch = launch_problem(self.world_size, os.environ)
         if launch is not None:
             raise ConfigError("launch_not_one_job", launch)
+        restart = elastic_restart_problem(os.environ)
+        if restart is not None:
+            raise ConfigError("elastic_restart_unsafe", restart)
 
     def option_problems(self) -> list[Problem]:
         """``(reason_code, message)`` for every option out of its own range or in conflict with another option."""

@@ -1,8 +1,9 @@
-"""What the launcher and the hardware decide: the bf16 default, CPU for a CPU-only multi-process launch, and the
-check that the launched processes form one job.
+"""What the launcher and the hardware decide: the bf16 default, CPU for a CPU-only multi-process launch, the check
+that the launched processes form one job, and the check that an elastic launch can restart.
 
 ``PairDPOConfig.__post_init__`` calls :func:`resolve_bf16`, :func:`precision_problem` and :func:`resolve_use_cpu`
-before ``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` after it.
+before ``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` and
+:func:`elastic_restart_problem` after it.
 
 Why the precision follows the launcher: an accelerate config's ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``)
 applies to the run whatever ``bf16`` says (``TrainingArguments`` keeps it unless ``bf16`` / ``fp16`` is set), and
@@ -126,3 +127,28 @@ def launch_problem(world_size: int, env: Mapping[str, str]) -> str | None:
             "`torchrun --nproc_per_node N train.py`, or set num_processes: 1."
         )
     return None
+
+
+def elastic_restart_problem(env: Mapping[str, str]) -> str | None:
+    """Why an elastic launch that may restart its workers (``torchrun --max-restarts N``, N > 0) cannot, or None.
+
+    torchrun's restarted workers must find a fresh key-value store. With the store its agent shares with the workers
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: a static rendezvous always, c10d unless
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) the second attempt's process group reads the first attempt's addresses
+    (torch 2.13, pytorch/pytorch#135712): on c10d it fails to connect and ends the job, on static it waits forever.
+
+    Args:
+        env: The process environment (what torchrun set for this worker).
+    """
+    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0").strip()
+    if not restarts.isdigit() or int(restarts) == 0:
+        return None
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() != "true":
+        return None
+    return (
+        f"this launch may restart its workers (TORCHELASTIC_MAX_RESTARTS={restarts}) but they share the launcher's "
+        "key-value store (TORCHELASTIC_USE_AGENT_STORE=True): a restarted worker group would read the failed attempt's "
+        "addresses and never connect, so the restart meant to save the job would end it. Launch with "
+        "--rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the launcher's environment (or without "
+        "--max-restarts)."
+    )

@@ -90,6 +90,21 @@ class CacheEntry:
         return None if name is None else self.directory / name
 
 
+def written_by(dataset: Any) -> tuple[Path, dict[str, Any]] | None:
+    """The Arrow file a pairs dataset memory-maps and who wrote its cache entry (``created_by``: ``host``, ``pid``);
+    None for a dataset that was not read from the cache."""
+    files = getattr(dataset, "cache_files", None) or []
+    if not files:
+        return None
+    arrow = Path(files[0]["filename"])
+    try:
+        meta = json.loads((arrow.parent / META_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    creator = meta.get("created_by") if isinstance(meta, dict) else None
+    return (arrow, creator) if isinstance(creator, dict) else None
+
+
 class PairCache:
     """The cache under ``root`` (see the module docstring).
 

@@ -3,10 +3,11 @@
 ``PairDPOTrainer`` calls it in three places and nowhere else:
 
 - ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
-  outcome), ``ddp_timeout`` on every process group, the resume checkpoint resolved (``latest`` / ``auto``), staged
-  leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary callback installed; on the way
-  out a preemption becomes :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that
-  timed out or lost its peer becomes ``collective_timeout`` / ``peer_lost``.
+  outcome; every node must see it), ``ddp_timeout`` on every process group, the resume checkpoint resolved
+  (``latest`` / ``auto``), staged leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary
+  callback installed; on the way out a preemption becomes
+  :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that timed out or lost its
+  peer becomes ``collective_timeout`` / ``peer_lost``, naming the lost ranks and their hosts.
 - ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
   resumed checkpoint's, recorded in every new one).
 - ``_save_checkpoint()`` delegates to :meth:`RunGuard.save_checkpoint` (``fault_tolerance/checkpoint.py``).
@@ -42,13 +43,15 @@ from pair_dpo_trainer.fault_tolerance.preemption import (
     stop_process_group,
 )
 from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
-from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
+from pair_dpo_trainer.fault_tolerance.shared_dir import NodeView, check_output_dir_shared
+from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree, is_multiprocess
 from pair_dpo_trainer.parallel.collectives import (
     apply_collective_timeout,
     check_nccl_error_handling,
     collective_failure,
     end_process_group,
 )
+from pair_dpo_trainer.parallel.roll_call import RollCall, describe_lost
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +65,18 @@ class GuardOptions:
         ddp_timeout: Seconds a collective may wait before the job ends (``collective_timeout``).
         rank: This process's global rank.
         allow_resume_data_mismatch: Resume a checkpoint of another schedule instead of refusing it.
+        node_id: Global rank of this node's local main process.
+        local_main: This process is its node's local main.
+        save_on_each_node: ``TrainingArguments.save_on_each_node`` (refused on more than one node).
     """
 
     output_dir: str
     ddp_timeout: float
     rank: int = 0
     allow_resume_data_mismatch: bool = False
+    node_id: int = 0
+    local_main: bool = True
+    save_on_each_node: bool = False
 
     @classmethod
     def from_args(cls, args: TrainingArguments) -> GuardOptions:
@@ -77,6 +86,9 @@ class GuardOptions:
             ddp_timeout=float(args.ddp_timeout),
             rank=int(args.process_index),
             allow_resume_data_mismatch=bool(getattr(args, "allow_resume_data_mismatch", False)),
+            node_id=int(args.process_index - args.local_process_index),
+            local_main=args.local_process_index == 0,
+            save_on_each_node=bool(args.save_on_each_node),
         )
 
 
@@ -89,6 +101,8 @@ class RunGuard:
         self.resume_checkpoint: str | None = None
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
+        self._roll_call: RollCall | None = None
+        self.views: list[NodeView] = []  # every rank's node and host (rank order), known once the lock is taken
 
     @property
     def _is_main(self) -> bool:
@@ -107,9 +121,11 @@ class RunGuard:
         ``options`` are what fault tolerance reads of the run's options (:meth:`GuardOptions.from_args`).
 
         Raises:
-            RunError: ``output_dir_in_use`` (on every rank), ``collective_timeout``, ``peer_lost``.
+            RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node
+                run see different directories), ``collective_timeout``, ``peer_lost``.
             CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``).
-            ConfigError: ``unsupported_combination`` for NCCL without a collective timeout.
+            ConfigError: ``unsupported_combination`` for NCCL without a collective timeout, or ``save_on_each_node``
+                on more than one node.
             TrainingPreempted: after a stop signal in the training loop, once the checkpoint is saved on every rank.
             Preempted: after a stop signal before the loop (nothing saved).
         """
@@ -117,6 +133,7 @@ class RunGuard:
         self.preemption.install()  # a stop signal raises until the training loop starts, then is recorded
         callback = _GuardCallback(self)
         added = False
+        self._roll_call = None
         try:
             follow_launcher()
             check_nccl_error_handling()
@@ -125,6 +142,8 @@ class RunGuard:
             if self._is_main:
                 clear_marker(self._output_dir)  # this run owns output_dir now: an earlier preemption is over
             self.resume_checkpoint = self._resolve(resume_from_checkpoint)
+            if is_multiprocess():
+                self._roll_call = RollCall(self.options.rank, len(self.views)).start()
             trainer.add_callback(callback)
             added = True
             yield self.resume_checkpoint
@@ -135,9 +154,17 @@ class RunGuard:
                 raise
             raise outcome from exc
         finally:
+            if self._roll_call is not None:
+                self._roll_call.stop()
             self.preemption.restore()
             if added:
                 trainer.remove_callback(callback)
+
+    def node_ranks(self) -> list[int] | None:
+        """The ranks of this process's node when the job spans more than one node (else None); known in a session."""
+        if len({view.node_id for view in self.views}) <= 1:
+            return None
+        return [rank for rank, view in enumerate(self.views) if view.node_id == self.options.node_id]
 
     def check_schedule(self, fingerprint: str) -> None:
         """Records the train schedule's fingerprint; on resume refuses a checkpoint of another schedule.
@@ -165,7 +192,8 @@ class RunGuard:
 
         Processes that share a process group but are each their own Trainer "main process" all try; one is refused,
         so all stop. ``launch.py`` refuses such launches first (``launch_not_one_job``; torchrun without ``use_cpu``
-        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``.
+        on a CPU-only machine now forms one job); the lock stays the last line for a shared ``output_dir``. On more
+        than one node, each node's local main then checks that it sees that lock (``shared_dir.py``).
         """
         if self._locked == self._output_dir:
             return
@@ -182,6 +210,13 @@ class RunGuard:
         refusals = [r for r in all_gather_cpu(refusal) if r is not None]  # any rank that tried and was refused
         if refusals:
             raise RunError(*refusals[0])
+        options = self.options
+        self.views = check_output_dir_shared(  # output_dir_not_shared: every node must see the lock just taken
+            self._output_dir,
+            node_id=options.node_id,
+            local_main=options.local_main,
+            save_on_each_node=options.save_on_each_node,
+        )
         self._locked = self._output_dir
 
     def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
@@ -198,7 +233,9 @@ class RunGuard:
         """What leaves ``train()`` for ``exc``: a collective's failure named (``collective_timeout`` / ``peer_lost``),
         or ``Preempted`` when a stop signal came first (before the loop, or a failure it caused)."""
         if isinstance(exc, RuntimeError):
-            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank)
+            roll_call, hosts = self._roll_call, [view.host for view in self.views]
+            lost = None if roll_call is None else lambda: describe_lost(roll_call.absent(), hosts)
+            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank, lost=lost)
             exc = exc if failure is None else failure
         outcome = self.preemption.outcome(exc)
         if isinstance(outcome, Preempted) and not isinstance(outcome, TrainingPreempted) and self.preemption.received:

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -102,13 +103,17 @@ def nccl_timeout_problem(environ: Any) -> str | None:
     )
 
 
-def collective_failure(exc: BaseException, *, timeout_s: float, rank: int) -> RunError | None:
+def collective_failure(
+    exc: BaseException, *, timeout_s: float, rank: int, lost: Callable[[], str | None] | None = None
+) -> RunError | None:
     """The :class:`RunError` for a collective that timed out or lost its peer, or None for any other error.
 
     Args:
         exc: The exception raised inside training.
         timeout_s: The run's ``ddp_timeout`` in seconds, for the message.
         rank: This process's global rank.
+        lost: Names the lost ranks and their hosts (``roll_call.py``; it may watch their heartbeats for a few
+            seconds), called only for a collective failure; None or a None answer: the message names none.
     """
     if not isinstance(exc, RuntimeError):  # gloo raises RuntimeError; torch's DistError subclasses it
         return None
@@ -120,18 +125,21 @@ def collective_failure(exc: BaseException, *, timeout_s: float, rank: int) -> Ru
     if where is None or not (peer_lost or timed_out):
         return None
     detail = text.strip().splitlines()[0][:300] if text.strip() else type(exc).__name__
+    who = lost() if lost is not None else None
+    lost_text = f" Lost: {who}." if who else ""
     if peer_lost:
         return RunError(
             "peer_lost",
             f"rank {rank}: another rank died or closed its connection during {where}: the job stops (check the "
-            f"other ranks' logs for the first error; resume with --resume_from_checkpoint latest). Backend: {detail}",
+            f"other ranks' logs for the first error; resume with --resume_from_checkpoint latest).{lost_text} "
+            f"Backend: {detail}",
         )
     return RunError(
         "collective_timeout",
         f"rank {rank}: {where} did not complete within ddp_timeout={timeout_s:g} s: another rank is stalled "
         "(stopped, swapping, blocked on storage or the network) or dead, so this rank stops instead of waiting "
         "forever. Check the other ranks' logs and the hosts, then resume with --resume_from_checkpoint latest "
-        f"(raise --ddp_timeout if steps or saves legitimately take longer). Backend: {detail}",
+        f"(raise --ddp_timeout if steps or saves legitimately take longer).{lost_text} Backend: {detail}",
     )
 
 

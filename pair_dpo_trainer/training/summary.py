@@ -3,16 +3,20 @@
 One line (``pair_dpo: world_size=...``) names the layout, the attention kernel, the reference, the objective with its
 options, the precision and how each dataset was rendered; each place where the run deliberately differs from what
 TRL 1.16 would do with the same options, or where an option is ignored, follows as one ``pair_dpo: note: ...``
-line.
+line. On a job of several nodes each node's local main prints one line more (``pair_dpo: node ...``): what that
+node did once for its ranks.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.data.cache import written_by
 from pair_dpo_trainer.losses.registry import uses_reference
 
 STEP_POOLED = ("sft", "aot", "aot_unpaired")
@@ -175,3 +179,30 @@ def announce_run(args: PairDPOConfig, facts: RunFacts | None = None, **details: 
     facts = facts if facts is not None else RunFacts(**details)
     lines = [run_summary(args, facts), *(f"pair_dpo: note: {note}" for note in run_notes(args, facts))]
     print("\n".join(lines), flush=True)
+
+
+def node_summary(ranks: list[int], *, train_dataset: Any, source: Any) -> str:
+    """One line for this node: its host and ranks, where its train pairs come from (tokenised here, or the node's
+    cache entry and who wrote it) and how many reference snapshot files this process hashed.
+
+    Example:
+        ``pair_dpo: node node1 (ranks 2-3) | train pairs tokenised here: /scratch/hf/.../pairs.arrow |
+        reference snapshot: 6 files hashed here``
+    """
+    span = f"ranks {ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"rank {ranks[0]}"
+    found = written_by(train_dataset)
+    if found is None:
+        pairs = "train pairs in memory"
+    else:
+        arrow, creator = found
+        mine = creator.get("host") == socket.gethostname() and creator.get("pid") == os.getpid()
+        by = f" (written by pid {creator.get('pid')} on {creator.get('host')})"
+        pairs = f"train pairs tokenised here: {arrow}" if mine else f"train pairs from the node's cache: {arrow}{by}"
+    hashed = getattr(source, "files_hashed", None)
+    reference = "" if hashed is None else f" | reference snapshot: {hashed} files hashed here"
+    return f"pair_dpo: node {socket.gethostname()} ({span}) | {pairs}{reference}"
+
+
+def announce_node(ranks: list[int], **details: Any) -> None:
+    """Prints :func:`node_summary` on stdout; each node's local main calls it on a job of several nodes."""
+    print(node_summary(ranks, **details), flush=True)
