@@ -254,11 +254,6 @@ time.sleep(120)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="fault_tolerance/lock.py judges a live holder in another PID namespace on a host of the same name dead "
-    "(its pid does not exist here, or is another process) and takes its lock over",
-)
 def test_a_live_holder_in_another_pid_namespace_with_the_same_host_name_is_not_taken_over(tmp_path):
     """Nodes that share a host name but not a PID namespace (containers with the host's UTS namespace, e.g.
     Kubernetes pods with hostNetwork, or two machines named alike): a second job must be refused, as from any host
