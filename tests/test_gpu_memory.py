@@ -58,7 +58,9 @@ def test_fp8_compiled_starts_at_ln2_and_trains(tmp_path, recipe, capsys):
     trainer.train()
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     print(f"\nfp8 {recipe}: losses {logged}")
-    assert logged[0] == pytest.approx(math.log(2), abs=1e-6)  # policy and reference run one recipe at step 0
+    # policy and reference run one recipe at step 0: 1.5e-6 from ln 2 measured on an H200 (1.6e-2 without inductor's
+    # eager-precision float8 casts); the CPU test asserts 1e-6 (tests/test_memory_options.py)
+    assert logged[0] == pytest.approx(math.log(2), abs=1e-5)
     assert all(math.isfinite(loss) for loss in logged)
     assert trainer.layer_plan.fp8_layers == 12 * 7
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
