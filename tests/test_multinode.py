@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -147,7 +146,9 @@ def test_the_lock_refuses_a_second_job_from_either_node_but_not_the_job_s_own_no
         assert second["reason_code"] == "output_dir_in_use", second
         assert f"host {holder['host']}, pid {holder['pid']}" in second["message"]
         if cluster.isolated:
-            same_host = "still running on this host" if node == 0 else "this host cannot tell"
+            # both simulated nodes share one kernel, so the holder's flock is busy from either (on separate hosts over
+            # a network filesystem node1 would instead say it cannot prove the holder dead)
+            same_host = "so that run is alive"
             assert same_host in second["message"]
     assert {r["global_step"] for r in main} == {STEPS}  # the job's own node 1 was never refused
     assert not (cluster.root / "shared" / "main" / LOCK_FILENAME).exists()
@@ -240,7 +241,8 @@ def test_accelerate_multi_cpu_on_two_machines_is_refused_on_each_node(cluster):
     logs = [cluster.log("multi_cpu", n) for n in range(NODES)]
     assert codes == [1, 1], "\n".join(logs)
     for log in logs:
-        assert len(re.findall(r"ConfigError: \[launch_not_one_job\] accelerate launched ONE process", log)) == 1
+        # accelerate's launcher re-prints the child's captured stderr when it fails, so the line may appear twice.
+        assert "[launch_not_one_job] accelerate launched ONE process" in log, log
     assert not Path(out).exists()
 
 

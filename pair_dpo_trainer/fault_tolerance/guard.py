@@ -232,11 +232,26 @@ class RunGuard:
     def _outcome(self, exc: BaseException) -> BaseException:
         """What leaves ``train()`` for ``exc``: a collective's failure named (``collective_timeout`` / ``peer_lost``),
         or ``Preempted`` when a stop signal came first (before the loop, or a failure it caused)."""
+        absent: list[int] | None = []
         if isinstance(exc, RuntimeError):
             roll_call, hosts = self._roll_call, [view.host for view in self.views]
-            lost = None if roll_call is None else lambda: describe_lost(roll_call.absent(), hosts)
-            failure = collective_failure(exc, timeout_s=self.options.ddp_timeout, rank=self.options.rank, lost=lost)
+
+            def lost() -> str:
+                nonlocal absent
+                absent = roll_call.absent() if roll_call is not None else []
+                return describe_lost(absent, hosts)
+
+            failure = collective_failure(
+                exc,
+                timeout_s=self.options.ddp_timeout,
+                rank=self.options.rank,
+                lost=None if roll_call is None else lost,
+            )
             exc = exc if failure is None else failure
+            if isinstance(failure, RunError) and failure.reason_code == "peer_lost" and absent != []:
+                return (
+                    failure  # ranks are gone (a killed node): a launcher's SIGTERM after it is teardown, not preemption
+                )
         outcome = self.preemption.outcome(exc)
         if isinstance(outcome, Preempted) and not isinstance(outcome, TrainingPreempted) and self.preemption.received:
             stop_process_group()

@@ -8,7 +8,9 @@ orphaned run trains on. :func:`follow_launcher`, called at start, detects them a
 the kernel sends this process SIGTERM when accelerate's launcher (its parent) dies (``PR_SET_PDEATHSIG``); a thread
 sends it when ``launch.py`` (its parent) loses the ``deepspeed`` command (its grandparent). The run then stops as on
 any SIGTERM (finish the step, save, exit 75, write the preemption marker) and says once that the scheduler sees the
-launcher's 143, not 75.
+launcher's 143, not 75. accelerate 1.16 and later pass the signal on themselves (to this process and every
+process under it) and SIGKILL what still runs 5 s later: the run then says that the step and the save must fit in
+those 5 s.
 
 Details: docs/guide.md section 12 (what each launcher does with the signal).
 """
@@ -21,13 +23,19 @@ import os
 import signal
 import threading
 import time
+from importlib import metadata
 from pathlib import Path
+
+from packaging.version import Version
 
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 1.0
 """How often a rank under the deepspeed launcher checks that the ``deepspeed`` command still runs."""
+
+ACCELERATE_KILL_AFTER_SECONDS = 5
+"""accelerate 1.16+: how long its single-process launcher waits after passing SIGTERM on before it SIGKILLs."""
 
 _followed: set[int] = set()  # pids (this process, a forked child) that already asked
 
@@ -73,6 +81,30 @@ def accelerate_simple_launcher(pid: int) -> bool:
     return False
 
 
+def accelerate_passes_sigterm_on() -> bool:
+    """Whether the installed accelerate's single-process launcher passes SIGTERM on to its process tree (1.16+)
+    instead of dying alone."""
+    try:
+        return Version(metadata.version("accelerate")) >= Version("1.16")
+    except (metadata.PackageNotFoundError, ValueError):
+        return False
+
+
+_NOT_FORWARDED = (
+    "%s does not pass SIGTERM on to the training processes: this process stops (saves a checkpoint, exits 75) when "
+    "that launcher dies, but the launcher itself exits with 143 and that is what a scheduler sees."
+)
+_KILLED_AFTER = (
+    "%s passes SIGTERM on to this process and every process under it, and SIGKILLs what still runs "
+    f"{ACCELERATE_KILL_AFTER_SECONDS} s later: the optimizer step under way and the checkpoint must finish within "
+    "those seconds, or the run ends at its last complete checkpoint; the launcher exits with 143, not 75."
+)
+_HOW_TO = (
+    " Send the signal to the whole process group, or start the run so that it gets the signal itself (python "
+    "train.py for one process, torchrun for several): docs/guide.md section 12."
+)
+
+
 def follow_launcher() -> bool:
     """Makes this process stop (SIGTERM) when a launcher that forwards no signal dies (module docstring).
 
@@ -83,22 +115,18 @@ def follow_launcher() -> bool:
         return True
     parent = os.getppid()
     if accelerate_simple_launcher(parent) and _set_parent_death_signal(signal.SIGTERM):
-        launcher = "accelerate launch with one process"
+        launcher, says = "accelerate launch with one process", _NOT_FORWARDED
+        if accelerate_passes_sigterm_on():
+            says = _KILLED_AFTER
         if os.getppid() != parent:  # it died before the kernel was asked: no signal will come
             os.kill(os.getpid(), signal.SIGTERM)
     elif "deepspeed.launcher.launch" in _words(parent) and deepspeed_runner(runner := parent_of(parent) or 0):
-        launcher = "the deepspeed command (on one node)"
+        launcher, says = "the deepspeed command (on one node)", _NOT_FORWARDED
         threading.Thread(target=_watch, args=(parent, runner), name="pair-dpo-launcher-watch", daemon=True).start()
     else:
         return False
     _followed.add(os.getpid())
-    logger.warning(
-        "%s does not pass SIGTERM on to the training processes: this process stops (saves a checkpoint, exits 75) "
-        "when that launcher dies, but the launcher itself exits with 143 and that is what a scheduler sees. Send the "
-        "signal to the whole process group, or start the run so that it gets the signal itself (python train.py for "
-        "one process, torchrun for several): docs/guide.md section 12.",
-        launcher,
-    )
+    logger.warning(says + _HOW_TO, launcher)
     return True
 
 
