@@ -72,6 +72,12 @@ from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget
 from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
+from pair_dpo_trainer.training.resume_settings import (
+    base_learning_rates,
+    keep_configured_cadence,
+    keep_configured_learning_rates,
+    resume_settings,
+)
 from pair_dpo_trainer.training.schedule import check_train_rows, train_sampler
 from pair_dpo_trainer.training.summary import RunFacts, announce_node, announce_run, precision_summary
 
@@ -260,7 +266,7 @@ class PairDPOTrainer(Trainer):
         ``output_dir``, and a stop signal saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
         :mod:`pair_dpo_trainer.fault_tolerance`.
         """
-        options = GuardOptions.from_args(self.args)
+        options = GuardOptions.from_args(self.args, resume_settings(self.args, self.processing_class))
         with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
             if resume_from_checkpoint:
@@ -342,6 +348,26 @@ class PairDPOTrainer(Trainer):
         else:
             datasets["eval"] = self.eval_dataset
         return datasets
+
+    def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+        """``Trainer.create_scheduler``; remembers its base learning rates, which a resumed checkpoint would replace."""
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        self._configured_learning_rates = base_learning_rates(scheduler)
+        return scheduler
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """``Trainer._load_optimizer_and_scheduler``; then this run's learning rate and logging / eval / save cadence
+        apply again (the checkpoint's would otherwise win silently: ``training/resume_settings.py``)."""
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        configured = getattr(self, "_configured_learning_rates", None)
+        changes = [
+            keep_configured_learning_rates(self.lr_scheduler, configured),
+            keep_configured_cadence(self.state, self.args),
+        ]
+        if self.is_world_process_zero() and any(changes):
+            logger.warning("resumed with this run's %s", "; ".join(c for c in changes if c))
 
     @stops_on_signal("saving the model", defer=True)
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:

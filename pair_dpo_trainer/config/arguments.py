@@ -361,8 +361,9 @@ class PairDPOConfig(TrainingArguments):
         default=False,
         metadata={
             "help": "Resume even when the checkpoint was trained on another schedule (dataset pair lengths, seed, "
-            "batch layout): the resumed step then indexes this run's schedule (logged). Default: refuse with "
-            "'resume_data_mismatch'."
+            "batch layout), other data settings (max_length, max_prompt_length, tokenizer) or another objective "
+            "(loss_type, beta, ...): the resumed step then indexes this run's schedule and every difference is "
+            "logged. Default: refuse with 'resume_data_mismatch' / 'resume_objective_mismatch'."
         },
     )
     # TrainingArguments defaults that pair DPO changes (each for a stated reason):

@@ -50,10 +50,12 @@ class SaveRequest:
     Attributes:
         identity: The reference identity to write inside (None when reference-free).
         schedule_fingerprint: The train schedule's fingerprint (``PairBatchSampler.schedule_fingerprint(0)``).
+        settings: The run's data and objective settings, compared on resume (``resume.check_resumed_settings``).
     """
 
     identity: Any
     schedule_fingerprint: str | None
+    settings: Any = None
 
 
 def staging_root(run_dir: str | os.PathLike[str]) -> Path:
@@ -179,6 +181,7 @@ def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> N
         "world_size": trainer.args.world_size,
         "reference_identity": None if request.identity is None else IDENTITY_FILENAME,
         "schedule_fingerprint": request.schedule_fingerprint,
+        "resume_settings": request.settings,
         "files": files,
     }
     with atomic_open(staged / MANIFEST_FILENAME) as f:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,7 @@ from pair_dpo_trainer.fault_tolerance.preemption import (
     clear_marker,
     stop_process_group,
 )
-from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, resolve_resume
+from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, check_resumed_settings, resolve_resume
 from pair_dpo_trainer.fault_tolerance.shared_dir import NodeView, check_output_dir_shared
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree, is_multiprocess
 from pair_dpo_trainer.parallel.collectives import (
@@ -68,6 +68,8 @@ class GuardOptions:
         node_id: Global rank of this node's local main process.
         local_main: This process is its node's local main.
         save_on_each_node: ``TrainingArguments.save_on_each_node`` (refused on more than one node).
+        resume_settings: The run's data and objective settings (``training/resume_settings.py``): recorded in every
+            checkpoint and compared on resume (None: neither).
     """
 
     output_dir: str
@@ -77,9 +79,10 @@ class GuardOptions:
     node_id: int = 0
     local_main: bool = True
     save_on_each_node: bool = False
+    resume_settings: Mapping[str, Any] | None = None
 
     @classmethod
-    def from_args(cls, args: TrainingArguments) -> GuardOptions:
+    def from_args(cls, args: TrainingArguments, resume_settings: Mapping[str, Any] | None = None) -> GuardOptions:
         """The options of a run's ``TrainingArguments`` (a ``PairDPOConfig`` also sets the resume override)."""
         return cls(
             output_dir=str(args.output_dir),
@@ -89,6 +92,7 @@ class GuardOptions:
             node_id=int(args.process_index - args.local_process_index),
             local_main=args.local_process_index == 0,
             save_on_each_node=bool(args.save_on_each_node),
+            resume_settings=resume_settings,
         )
 
 
@@ -183,7 +187,9 @@ class RunGuard:
 
     def save_checkpoint(self, trainer: Any, trial: Any, write: Callable[[], None], *, identity: Any) -> Path:
         """The Trainer's save (``write``), made atomic (see ``fault_tolerance/checkpoint.py``). Every rank calls it."""
-        request = SaveRequest(identity=identity, schedule_fingerprint=self.schedule_fingerprint)
+        request = SaveRequest(
+            identity=identity, schedule_fingerprint=self.schedule_fingerprint, settings=self.options.resume_settings
+        )
         return save_checkpoint_atomically(trainer, trial, write, request)
 
     # ------------------------------------------------------------------ internals
@@ -225,6 +231,11 @@ class RunGuard:
         if self._is_main:
             clear_leftovers(self._output_dir)
         assert_ranks_agree("checkpoint to resume from", str(resume))
+        if resume is not None:
+            options = self.options
+            check_resumed_settings(  # before anything of the checkpoint is loaded
+                resume, options.resume_settings, allow_mismatch=options.allow_resume_data_mismatch, warn=self._is_main
+            )
         if resume is not None and self._is_main:
             logger.warning("resuming from %s", resume)
         return resume

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pair_dpo_trainer.errors import CheckpointError
 from pair_dpo_trainer.fault_tolerance.checkpoint import (
@@ -132,3 +134,65 @@ def check_resumed_schedule(checkpoint: str, fingerprint: str, *, allow_mismatch:
         )
     if warn:
         logger.warning("%s Continuing as allow_resume_data_mismatch=True asks.", text)
+
+
+SETTING_GROUPS = ("data", "objective")
+"""The groups of recorded settings (``training/resume_settings.py``): a data change comes first in the refusal."""
+
+
+def check_resumed_settings(
+    checkpoint: str, settings: Mapping[str, Any] | None, *, allow_mismatch: bool, warn: bool = True
+) -> None:
+    """Refuses to resume ``checkpoint`` with other data settings or another objective than it was trained with.
+
+    Args:
+        checkpoint: The checkpoint to resume.
+        settings: This run's ``{"data": {...}, "objective": {...}}`` (None: the caller records none; nothing checked).
+        allow_mismatch: ``allow_resume_data_mismatch``: warn with every difference instead of refusing.
+        warn: Log (the main process does).
+
+    Raises:
+        CheckpointError: ``resume_data_mismatch`` when a data setting differs (the tokenizer included), else
+            ``resume_objective_mismatch`` when an objective setting differs; the message lists every difference.
+    """
+    if settings is None:
+        return
+    recorded = (read_manifest(checkpoint) or {}).get("resume_settings")
+    if not isinstance(recorded, Mapping):
+        if warn:
+            logger.warning("%s records no run settings: cannot check its data limits, tokenizer and loss", checkpoint)
+        return
+    changed = {group: _differences(recorded, settings, group) for group in SETTING_GROUPS}
+    changes = [change for group in SETTING_GROUPS for change in changed[group]]
+    if not changes:
+        return
+    text = f"{checkpoint} was trained with other settings than this run's: {'; '.join(changes)}."
+    if allow_mismatch:
+        if warn:
+            logger.warning("%s Continuing as allow_resume_data_mismatch=True asks.", text)
+        return
+    message = (
+        f"{text} Its optimizer state and step belong to those pairs and that loss. Resume with the recorded values "
+        "(or the recorded tokenizer), start a new run from its weights (--model_name_or_path <checkpoint>), or set "
+        "allow_resume_data_mismatch=True to continue anyway. Options that may change on resume: docs/guide.md "
+        "section 12."
+    )
+    if changed["data"]:
+        raise CheckpointError("resume_data_mismatch", message)
+    raise CheckpointError("resume_objective_mismatch", message)
+
+
+def _differences(recorded: Mapping[str, Any], current: Mapping[str, Any], group: str) -> list[str]:
+    """``"option: recorded -> current"`` for each option of ``group`` that differs (tokenizer digests shortened)."""
+    before, after = recorded.get(group) or {}, current.get(group) or {}
+    return [
+        f"{name} {_shown(name, before.get(name))} -> {_shown(name, after.get(name))}"
+        for name in sorted(set(before) | set(after))
+        if before.get(name) != after.get(name)
+    ]
+
+
+def _shown(name: str, value: Any) -> str:
+    if name == "tokenizer" and isinstance(value, str):
+        return f"fingerprint {value[:12]}"
+    return repr(value)
