@@ -35,16 +35,19 @@ def _library_opens(path: Path) -> bool:
     """The safetensors library's reader: it parses and validates the header, then maps the tensors."""
     try:
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+            for name in f.keys():
                 f.get_tensor(name)
     except Exception:  # noqa: BLE001 - SafetensorError, or any error of a file it cannot read
         return False
     return True
 
 
-def _raw(header: dict, data: bytes) -> bytes:
-    text = json.dumps(header).encode()
+def _framed(text: bytes, data: bytes = b"") -> bytes:
     return len(text).to_bytes(8, "little") + text + data
+
+
+def _raw(header: object, data: bytes) -> bytes:
+    return _framed(json.dumps(header).encode(), data)
 
 
 def _good_files() -> dict[str, bytes]:
@@ -85,7 +88,8 @@ def _bad_files() -> dict[str, bytes]:
         "unknown dtype": _raw(unknown, bundled[8 + n :]),
         "span not its shape": _raw({"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8),
         "gap": _raw({"t": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
-        "not an object": _raw([1, 2], b""),  # type: ignore[arg-type]
+        "not an object": _raw([1, 2], b""),
+        "nested too deep": _framed(b"[" * 100_000 + b"]" * 100_000),
         "header length only": (16).to_bytes(8, "little"),
         "one tensor, too few bytes": _raw(one, b"\0" * 4),
     }

@@ -56,7 +56,7 @@ def header_problem(head: bytes, file_size: int) -> str | None:
         return f"its header length {n} is larger than the file ({file_size} bytes) allows: not a safetensors file"
     try:
         header = json.loads(head[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: JSON nested too deep
         return f"its {n}-byte header is not UTF-8 JSON ({exc}): not a safetensors file"
     if not isinstance(header, dict) or head[8:9] != b"{":
         return "its header is not a JSON object of tensors"
