@@ -2,7 +2,9 @@
 
 A reader sees the old file or the complete new one, never a partial write, and a crash leaves no half-written target.
 ``fsync_dir`` / ``fsync_tree`` make renames and whole directory trees durable (atomic checkpoints,
-``fault_tolerance/checkpoint.py``).
+``fault_tolerance/checkpoint.py``). ``disk_full`` / ``unwritable`` tell from an exception chain whether a write failed
+for a full (or over-quota) or a read-only / forbidden filesystem, and ``space_text`` says how much room is left, for
+the errors of every writer above (checkpoints: ``disk_full``; the tokenised-pairs cache: ``dataset_cache_unwritable``).
 """
 
 from __future__ import annotations
@@ -10,10 +12,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
+
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""The errnos of a full filesystem or an exceeded quota."""
+UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+"""The errnos of a read-only filesystem or a directory this process may not write."""
+_DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "disk quota exceeded")
+_UNWRITABLE_TEXT = ("read-only file system", "permission denied", "operation not permitted")
+_WRITER_FAILURE_TEXT = ("file write failed", "iostream error", "pytorchstreamwriter failed", "unexpected pos")
+NEARLY_FULL_BYTES = 64 * 2**20
+"""Below this much free space, a writer's failure without an errno counts as a full disk (:func:`disk_full`)."""
 
 
 @contextlib.contextmanager
@@ -84,3 +97,66 @@ def fsync_tree(root: str | os.PathLike[str]) -> None:
             finally:
                 os.close(fd)
         fsync_dir(directory)
+
+
+def exception_chain(exc: BaseException) -> list[BaseException]:
+    """``exc`` and its causes / contexts, outermost first (each once)."""
+    chain: list[BaseException] = []
+    cursor: BaseException | None = exc
+    while cursor is not None and cursor not in chain:
+        chain.append(cursor)
+        cursor = cursor.__cause__ or cursor.__context__
+    return chain
+
+
+def _in_chain(exc: BaseException, errnos: frozenset[int], texts: tuple[str, ...]) -> bool:
+    chain = exception_chain(exc)
+    if any(isinstance(e, OSError) and e.errno in errnos for e in chain):
+        return True
+    return any(marker in str(e).lower() for e in chain for marker in texts)
+
+
+def disk_full(exc: BaseException, directory: str | os.PathLike[str]) -> bool:
+    """True when ``exc`` (or an exception in its chain) comes from a full filesystem or quota under ``directory``.
+
+    An ``OSError`` with ``ENOSPC`` / ``EDQUOT``, or a message that says so (pyarrow's and Rust writers' texts carry
+    no errno). torch's C++ writer reports a full disk without either (``basic_ios::clear: iostream error``,
+    ``PytorchStreamWriter failed writing file``): such a writer error counts when less than
+    :data:`NEARLY_FULL_BYTES` is left on ``directory``'s filesystem.
+    """
+    if _in_chain(exc, DISK_FULL_ERRNOS, _DISK_FULL_TEXT):
+        return True
+    free, _ = disk_space(directory)
+    return free is not None and free < NEARLY_FULL_BYTES and _in_chain(exc, frozenset(), _WRITER_FAILURE_TEXT)
+
+
+def unwritable(exc: BaseException) -> bool:
+    """True when ``exc`` (or an exception in its chain) comes from a read-only filesystem or a missing permission
+    (``EROFS`` / ``EACCES`` / ``EPERM``, or a message that says so)."""
+    return _in_chain(exc, UNWRITABLE_ERRNOS, _UNWRITABLE_TEXT)
+
+
+def disk_space(path: str | os.PathLike[str]) -> tuple[int | None, int | None]:
+    """``(free, total)`` bytes of the filesystem holding ``path`` (its nearest existing parent when ``path`` does not
+    exist yet); ``(None, None)`` when it cannot be asked."""
+    target = Path(path).absolute()
+    while not target.exists() and target.parent != target:
+        target = target.parent
+    try:
+        usage = shutil.disk_usage(target)
+    except OSError:
+        return None, None
+    return usage.free, usage.total
+
+
+def format_bytes(value: int | None) -> str:
+    """``value`` bytes in MiB (KiB below 1 MiB); ``?`` for None."""
+    if value is None:
+        return "?"
+    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"
+
+
+def space_text(path: str | os.PathLike[str]) -> str:
+    """``"<free> free of <total>"`` for the filesystem of ``path``, or ``"free space unknown"``."""
+    free, total = disk_space(path)
+    return "free space unknown" if free is None else f"{format_bytes(free)} free of {format_bytes(total)}"

@@ -120,6 +120,8 @@ SNAPSHOT_FIXES: dict[str, str] = {
     "malformed_index": "re-download the index; if it persists the repository's index is broken",
     "empty_weight_map": "re-download the index; if it persists the repository's index is broken",
     "bad_suffix": "fix the repository's index so each shard has the format's suffix",
+    "bad_weights": f"re-download the file ({_REDOWNLOAD} PATH); for a directory you saved yourself, re-save the "
+    "model with save_pretrained and pin it again (`pair-dpo pin DIR --force`)",
     "hash_mismatch": "re-download the file from the pinned commit and find out what changed it",
     "unreadable_file": "fix the file's permissions or the storage and retry",
     "reference_changed": "resume with the same reference snapshot and revision as the original run",

@@ -86,6 +86,9 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"max_tokens_per_microbatch": 0}, "bad_length"),
         ({"max_tokens_per_microbatch": 4096, "gradient_accumulation_steps": 2}, "unsupported_combination"),
         ({"pad_to_budget": True}, "unsupported_combination"),
+        ({"ddp_timeout": 0}, "bad_timeout"),
+        ({"ddp_timeout": -1}, "bad_timeout"),
+        ({"ddp_timeout": math.nan}, "bad_timeout"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import errno
 import hashlib
 import json
 import os
@@ -190,6 +191,34 @@ def test_an_unwritable_cache_is_a_config_error(tmp_path, tok):
     with pytest.raises(ConfigError) as info:
         _build(_rows(5), tok, blocker / "cache")
     assert info.value.reason_code == "dataset_cache_unwritable" and "dataset_cache_dir" in info.value.message
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES])
+def test_a_write_that_fails_for_the_disk_is_a_config_error_and_leaves_no_partial_entry(tmp_path, code):
+    cache = PairCache(tmp_path / "cache")
+
+    def build(directory: Path) -> dict:
+        (directory / "pairs.arrow").write_bytes(b"\0" * 4096)  # half an entry, then the disk refuses
+        raise OSError(code, os.strerror(code))
+
+    with pytest.raises(ConfigError) as info:
+        cache.get_or_build({"rows": 1}, build)
+    assert info.value.reason_code == "dataset_cache_unwritable"
+    assert str(cache.root) in info.value.message and "dataset_cache_dir" in info.value.message
+    assert " free of " in info.value.message  # the filesystem's free space, from shutil.disk_usage
+    assert list(cache.root.iterdir()) == []  # neither the entry nor its temporary directory
+
+
+def test_a_build_that_fails_for_another_reason_is_raised_as_it_is(tmp_path):
+    cache = PairCache(tmp_path / "cache")
+
+    def build(directory: Path) -> dict:
+        raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError) as info:
+        cache.get_or_build({"rows": 1}, build)
+    assert info.value.errno == errno.EIO and not isinstance(info.value, ConfigError)
+    assert list(cache.root.iterdir()) == []
 
 
 def test_the_trainer_uses_the_configured_cache_and_memory_maps_raw_rows(tmp_path, tok):

@@ -26,7 +26,10 @@ from pair_dpo_trainer.integrity import hashing, manifest_digest, verify_snapshot
 
 REVISION = hashlib.sha1(b"pair-dpo test revision").hexdigest()
 OTHER_REVISION = hashlib.sha1(b"another revision").hexdigest()
-SPARSE_1GIB_SHA256 = "49bc20df15e412a64472421e13fe86ff1c5165e18b2afccf160d4dc19fe68a14"
+SPARSE_1GIB_HEADER = json.dumps({"zeros": {"dtype": "U8", "shape": [1 << 30], "data_offsets": [0, 1 << 30]}}).encode()
+SPARSE_1GIB_SHA256 = "04011b157a6e853039db4e6e103bbc92abf99e00a87ca52514f44c403943275c"
+"""SHA-256 of a safetensors file of one 1 GiB U8 tensor of zeros: its 8-byte length, ``SPARSE_1GIB_HEADER``, the
+zeros."""
 
 
 # ----------------------------------------------------------------------------------------------- fixtures
@@ -187,8 +190,9 @@ def test_one_gib_sparse_file_hashes_with_bounded_memory(tmp_path: Path) -> None:
     root.mkdir()
     put(root, "config.json", b"{}")
     weights = get_local_download_paths(root, "model.safetensors").file_path
-    with open(weights, "wb") as f:
-        f.truncate(1 << 30)
+    with open(weights, "wb") as f:  # a well-formed header, then 1 GiB of zeros written as a hole
+        f.write(len(SPARSE_1GIB_HEADER).to_bytes(8, "little") + SPARSE_1GIB_HEADER)
+        f.truncate(8 + len(SPARSE_1GIB_HEADER) + (1 << 30))
     write_download_metadata(root, "model.safetensors", REVISION, SPARSE_1GIB_SHA256)
     proc = psutil.Process()
     base = proc.memory_info().rss
@@ -386,7 +390,8 @@ def test_cheap_checks_run_before_any_hashing(snap: Path, monkeypatch: pytest.Mon
     calls: list[object] = []
     real = hashing.hash_file
     monkeypatch.setattr(hashing, "hash_file", lambda *a, **k: calls.append(a) or real(*a, **k))
-    (snap / "model.safetensors").write_bytes(b"tampered")  # would be hash_mismatch
+    weights = snap / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"!")  # a tensor's byte changed: would be hash_mismatch
     (snap / "config.json").unlink()
     metadata_path(snap, "config.json").unlink()
     assert rejected(snap).reason_code == "missing_config"

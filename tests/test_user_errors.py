@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleErr
 from pair_dpo_trainer.modeling import attention
 from tests.dpo_fixtures import cpu_config, synthetic_pairs
 from tests.models import tiny_llama, tiny_tokenizer
+from tests.multinode import namespaces_available
 
 
 def _config(tmp_path: Path, **kwargs) -> PairDPOConfig:
@@ -260,8 +262,8 @@ def test_prepare_data_examples_and_strict_errors_count_rows_from_1(tmp_path, cap
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess.CompletedProcess:
-    env = {
+def _script_env(tmp_path: Path, *, debug: bool = False) -> dict[str, str]:
+    return {
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
         "OMP_NUM_THREADS": "1",
@@ -270,8 +272,15 @@ def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess
         "PYTHONPATH": str(ROOT),
         **({"PAIR_DPO_DEBUG": "1"} if debug else {}),
     }
-    command = [sys.executable, str(ROOT / "train.py"), *argv]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+def _train_command(*argv: str) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), *argv]
+
+
+def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess.CompletedProcess:
+    env = _script_env(tmp_path, debug=debug)
+    return subprocess.run(_train_command(*argv), capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
 def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceback_on_request(tmp_path):
@@ -317,3 +326,46 @@ def test_too_few_pairs_is_raised_from_the_row_count_before_the_model_loads_or_ro
     with pytest.raises(ScheduleError) as info:
         PairDPOTrainer(model=str(bundled_model_dir()), args=args, train_dataset=rows)
     assert info.value.reason_code == "too_few_pairs" and "has 3 rows" in info.value.message
+
+
+# ------------------------------------------------------------------------------------------------ timeouts and disks
+
+
+@pytest.mark.parametrize("seconds", ["0", "-1"])
+def test_train_script_refuses_a_timeout_that_lets_no_collective_wait_before_it_loads_the_model(tmp_path, seconds):
+    typo = str(tmp_path / "no-model")  # reached only after the options: model_not_found would mean they passed
+    argv = ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path()), "--output_dir", str(tmp_path)]
+    done = _train_script(tmp_path, *argv, "--use_cpu", "true", "--ddp_timeout", seconds)
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert f"[bad_timeout] ddp_timeout={seconds} (--ddp_timeout)" in done.stderr and "1800" in done.stderr
+    assert "model_not_found" not in done.stderr and "Loading weights" not in done.stderr
+
+
+TMPFS_BYTES = 8 * 1024  # the train split of 300 demo rows (100 pairs) takes about 13 KiB tokenised
+
+
+@pytest.mark.skipif(not namespaces_available(), reason="needs root in a mount namespace (unshare) for a small tmpfs")
+def test_a_full_disk_while_building_the_pairs_cache_is_named_and_leaves_no_partial_entry(tmp_path):
+    rows = tmp_path / "pairs.jsonl"
+    rows.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:300]))
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    cache = disk / "pairs"
+    argv = [
+        *("--model_name_or_path", str(bundled_model_dir()), "--dataset", str(rows)),
+        *("--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--max_steps", "1"),
+        *("--dataset_cache_dir", str(cache), "--report_to", "none"),
+    ]
+    # the tmpfs exists in the namespace only: what the run left in the cache is listed there, after it exits
+    script = (
+        f"mount -t tmpfs -o size={TMPFS_BYTES} small {shlex.quote(str(disk))} && "
+        f"{shlex.join(_train_command(*argv))}; rc=$?; echo LEFT:; ls -A {shlex.quote(str(cache))}; exit $rc"
+    )
+    command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_script_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("train.py: error:")]
+    assert len(lines) == 1 and lines[0].startswith("train.py: error: [dataset_cache_unwritable]"), done.stderr[-3000:]
+    assert str(cache) in lines[0] and "free of 8.0 KiB" in lines[0] and "dataset_cache_dir" in lines[0]
+    assert done.stdout.split("LEFT:", 1)[1].split() == []  # no entry, no temporary directory
+    assert "Traceback" not in done.stderr

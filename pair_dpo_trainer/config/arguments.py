@@ -452,6 +452,7 @@ class PairDPOConfig(TrainingArguments):
             *self._budget_problems(),
             *self._memory_problems(),
             *self._data_problems(),
+            *self._timeout_problems(),
         ]
 
     def _objective_value_problems(self) -> list[Problem]:
@@ -607,6 +608,19 @@ class PairDPOConfig(TrainingArguments):
             return []
         message = f"dataset_num_proc={num_proc!r}: set a worker count >= 1, or None (all usable cores)."
         return [("bad_num_proc", message)]
+
+    def _timeout_problems(self) -> list[Problem]:
+        """``ddp_timeout``: the seconds every collective may wait for its peers. 0 or less lets none wait, so the job
+        would end in a raw gloo / NCCL timeout at its first collective instead of here."""
+        timeout = self.ddp_timeout
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and math.isfinite(timeout):
+            if timeout > 0:
+                return []
+        message = (
+            f"ddp_timeout={timeout!r} (--ddp_timeout): set a positive number of seconds a collective may wait for "
+            "its peers (the default: 1800)."
+        )
+        return [("bad_timeout", message)]
 
     def _length_problems(self) -> list[Problem]:
         problems: list[Problem] = []

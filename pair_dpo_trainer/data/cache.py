@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.atomic import disk_full, space_text, unwritable
+from pair_dpo_trainer.errors import ConfigError, PairDPOError
 
 CACHE_FORMAT = 1
 META_FILE = "meta.json"
@@ -170,8 +171,12 @@ class PairCache:
             }
             (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n", encoding="utf-8")
             return self._publish(tmp, key, meta)
+        except Exception as exc:  # noqa: BLE001 - a full or read-only disk is named, anything else re-raised as is
+            if not isinstance(exc, PairDPOError) and (disk_full(exc, self.root) or unwritable(exc)):
+                raise self.unwritable_error(exc) from exc
+            raise
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed build leaves no partial entry
 
     def _fresh_tmp(self, key: Mapping[str, Any]) -> Path:
         final = self.entry_dir(key)
@@ -181,12 +186,20 @@ class PairCache:
             tmp = self.root / f".{final.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
             tmp.mkdir()
         except OSError as exc:
-            raise ConfigError(
-                "dataset_cache_unwritable",
-                f"cannot write the tokenised-pairs cache {self.root} ({exc}): set dataset_cache_dir (or "
-                "HF_DATASETS_CACHE) to a writable directory with room for the tokenised dataset.",
-            ) from exc
+            raise self.unwritable_error(exc) from exc
         return tmp
+
+    def unwritable_error(self, exc: BaseException) -> ConfigError:
+        """``dataset_cache_unwritable`` for ``exc``, a failure to create or write an entry under :attr:`root`: names
+        the directory, the cause, the free space of its filesystem and the options that move the cache."""
+        cause = "its filesystem is full" if disk_full(exc, self.root) else "it cannot be written"
+        return ConfigError(
+            "dataset_cache_unwritable",
+            f"cannot write the tokenised-pairs cache {self.root}: {cause} ({type(exc).__name__}: {exc}; "
+            f"{space_text(self.root)}); no partial entry is left. Free space there, or set dataset_cache_dir "
+            "(or HF_DATASETS_CACHE) to a writable directory on a disk with room for the tokenised pairs (about 4 "
+            "bytes per token).",
+        )
 
     def _publish(self, tmp: Path, key: Mapping[str, Any], meta: dict[str, Any]) -> CacheEntry:
         final = self.entry_dir(key)

@@ -13,7 +13,6 @@ Details: docs/architecture.md, "Module notes", ``fault_tolerance/checkpoint.py``
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -26,7 +25,7 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from pair_dpo_trainer.atomic import atomic_open, fsync_dir, fsync_tree
+from pair_dpo_trainer.atomic import atomic_open, disk_full, disk_space, fsync_dir, fsync_tree, space_text
 from pair_dpo_trainer.errors import CheckpointError, PairDPOError
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, write_identity
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
@@ -37,10 +36,6 @@ MANIFEST_FILENAME = "pair_dpo_checkpoint.json"
 MANIFEST_FORMAT = 1
 STAGING_DIRNAME = ".pair_dpo_staging"
 TRASH_PREFIX = ".pair_dpo_trash-"
-_DISK_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
-_DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "disk quota exceeded")
-_WRITER_FAILURE_TEXT = ("file write failed", "iostream error", "pytorchstreamwriter failed", "unexpected pos")
-_NEARLY_FULL_BYTES = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -284,43 +279,16 @@ def _agree(error: BaseException | None, *, stage: str, name: str, rank: int, cle
 
 
 def disk_full_error(exc: BaseException, run_dir: Path, name: str) -> CheckpointError | None:
-    """``disk_full`` for an error caused by a full filesystem (or quota) under ``run_dir``, else None.
-
-    torch's C++ writer reports a full disk without an errno (``basic_ios::clear: iostream error``, ``PytorchStreamWriter
-    failed writing file``): such a writer error counts as a full disk when less than 64 MiB is left.
-    """
-    free, total = _space(run_dir)
-    chain: list[BaseException] = []
-    cursor: BaseException | None = exc
-    while cursor is not None and cursor not in chain:
-        chain.append(cursor)
-        cursor = cursor.__cause__ or cursor.__context__
-    texts = [str(e).lower() for e in chain]
-    full = any(isinstance(e, OSError) and e.errno in _DISK_FULL_ERRNOS for e in chain)
-    full = full or any(marker in text for text in texts for marker in _DISK_FULL_TEXT)
-    writer = any(marker in text for text in texts for marker in _WRITER_FAILURE_TEXT)
-    if not (full or (writer and free is not None and free < _NEARLY_FULL_BYTES)):
+    """``disk_full`` for an error caused by a full filesystem (or quota) under ``run_dir``, else None
+    (:func:`pair_dpo_trainer.atomic.disk_full` tells which errors are)."""
+    if not disk_full(exc, run_dir):
         return None
-    space = "free space unknown" if free is None else f"{_size(free)} free of {_size(total)}"
+    free, _ = disk_space(run_dir)
     error = CheckpointError(
         "disk_full",
-        f"no space left on the filesystem of {run_dir} while writing {name} ({space}): the partial {name} was "
-        "removed and the earlier checkpoints are intact. Free space there (or lower save_total_limit, or set "
-        "output_dir on a larger disk), then resume with --resume_from_checkpoint latest.",
+        f"no space left on the filesystem of {run_dir} while writing {name} ({space_text(run_dir)}): the partial "
+        f"{name} was removed and the earlier checkpoints are intact. Free space there (or lower save_total_limit, or "
+        "set output_dir on a larger disk), then resume with --resume_from_checkpoint latest.",
     )
     error.directory, error.free_bytes = str(run_dir), free
     return error
-
-
-def _space(path: Path) -> tuple[int | None, int | None]:
-    try:
-        usage = shutil.disk_usage(path)
-    except OSError:
-        return None, None
-    return usage.free, usage.total
-
-
-def _size(value: int | None) -> str:
-    if value is None:
-        return "?"
-    return f"{value / 2**20:.1f} MiB" if value >= 2**20 else f"{value / 2**10:.1f} KiB"

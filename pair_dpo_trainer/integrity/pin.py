@@ -31,6 +31,7 @@ from pair_dpo_trainer.integrity.snapshot import (
     manifest_listing,
     open_root,
 )
+from pair_dpo_trainer.integrity.weights import check_weight_headers
 
 REVISION_PREFIX = b"pair_dpo_trainer pin v1\n"
 LFS_SIZE_LIMIT = 10 * 1024 * 1024
@@ -81,7 +82,7 @@ def pin_snapshot(
     Raises:
         SnapshotIntegrityError: ``already_pinned`` (metadata exists and ``force`` is False), or the layout and
             completeness codes of ``verify_snapshot`` (``not_a_directory``, ``unsafe_path``, ``missing_config``,
-            ``no_weights``, ``pickle_weights``, ``missing_shard``, ...), ``unreadable_file``.
+            ``no_weights``, ``pickle_weights``, ``missing_shard``, ``bad_weights``, ...), ``unreadable_file``.
     """
     root = open_root(path)
     payload = scan_payload(root)
@@ -91,6 +92,7 @@ def pin_snapshot(
             "already_pinned", f"{len(existing)} file(s) already have download metadata", metadata_rel(min(existing))
         )
     weight_files = check_completeness(root, set(payload), allow_pickle=allow_pickle)
+    check_weight_headers(root, weight_files)  # a broken file is refused before it is hashed and pinned
     jobs = []
     for rel, real in sorted(payload.items()):
         size = real.stat().st_size

@@ -8,7 +8,8 @@ Check order (cheap first, hashing last, weights never loaded):
 4. Metadata: ``metadata_malformed``, then ``revision_mismatch``, then ``metadata_missing`` (payload file
    without metadata), then ``file_missing`` (metadata without payload file).
 5. Completeness: ``missing_config``, ``no_weights``, ``pickle_weights``, index checks (``malformed_index``,
-   ``empty_weight_map``, ``unsafe_path``, ``bad_suffix``, ``missing_shard``).
+   ``empty_weight_map``, ``unsafe_path``, ``bad_suffix``, ``missing_shard``), then ``bad_weights``: each
+   ``*.safetensors`` weight file's header parsed (``integrity/weights.py``; no tensor read).
 6. Hashing of every payload file against its etag (``hash_mismatch``), streamed and in parallel threads.
 
 Within a step, files are checked in sorted path order, so the reported path is deterministic.
@@ -33,6 +34,7 @@ from pair_dpo_trainer.integrity.layout import (
     scan_metadata,
     scan_payload,
 )
+from pair_dpo_trainer.integrity.weights import check_weight_headers
 
 
 @dataclass(frozen=True)
@@ -186,6 +188,7 @@ def plan_snapshot(path: str | os.PathLike[str], revision: str, *, allow_pickle: 
     records = _read_records(root, revision)
     matched = _match_payload(root, payload, records)
     weight_files = check_completeness(root, set(matched), allow_pickle=allow_pickle)
+    check_weight_headers(root, weight_files)
     jobs = tuple(
         HashJob(rel, real, KIND_BY_ETAG_LENGTH[len(records[rel].etag)], records[rel].etag, real.stat().st_size)
         for rel, real in sorted(matched.items())
