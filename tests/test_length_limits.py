@@ -181,7 +181,7 @@ def prepared(tmp_path_factory) -> Path:
 
 def test_manifest_records_the_tokenizer_fingerprint_and_limits(prepared, tok):
     manifest = json.loads((prepared / "manifest.json").read_text())
-    assert manifest["format"] == "pair_dpo_trainer.prepare-data/4"
+    assert manifest["format"] == "pair_dpo_trainer.prepare-data/5"
     assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(tok)
     assert (manifest["max_length"], manifest["max_prompt_length"]) == (128, 64)
 
