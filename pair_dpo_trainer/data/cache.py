@@ -16,6 +16,7 @@ Details: docs/architecture.md, "Module notes", ``data/cache.py``.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -239,7 +240,8 @@ class PairCache:
         if existing is not None:
             return existing
         broken = self.root / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(final, broken)
+        with contextlib.suppress(FileNotFoundError):  # lookup removed it: its file did not match its digest
+            os.rename(final, broken)
         os.rename(tmp, final)
         shutil.rmtree(broken, ignore_errors=True)
         return CacheEntry(final, meta, built_here=True)
