@@ -14,16 +14,23 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import datasets
 import pyarrow as pa
 import pytest
+from transformers import AutoTokenizer
 
+import pair_dpo_trainer.data.prepared as prepared_module
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
+from pair_dpo_trainer.data.dataset import as_pair_dataset
+from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.integrity.hashing import ChunkedSha256, chunked_file_digest
+from pair_dpo_trainer.integrity.proof import RACY_SECONDS
 from tests.dpo_fixtures import cpu_config
 from tests.models import VOCAB, tiny_llama, tiny_tokenizer
 
@@ -182,10 +189,6 @@ def test_a_token_id_outside_the_embedding_is_refused_naming_the_row(tmp_path, as
 
 
 def test_a_prepared_split_of_a_larger_vocabulary_is_refused_naming_its_first_row_out_of_range(tmp_path, prepared):
-    from transformers import AutoTokenizer
-
-    from pair_dpo_trainer.data.prepared import load_prepared
-
     train = load_prepared(prepared, "train")  # the bundled tokenizer's ids; the model embeds only VOCAB of them
     columns = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
     table = pa.ipc.open_stream(pa.OSFile(str(prepared / "train.arrow"))).read_all()
@@ -220,8 +223,6 @@ def _independent_chunked(data: bytes, chunk_bytes: int) -> str:
 
 @pytest.mark.parametrize("size", [0, 1, 999, 1000, 1001, 3500])
 def test_the_chunked_digest_is_the_hash_of_the_piece_hashes(tmp_path, size):
-    from pair_dpo_trainer.integrity.hashing import ChunkedSha256, chunked_file_digest
-
     data = os.urandom(size)
     hasher = ChunkedSha256(chunk_bytes=1000)
     for start in range(0, size, 337):  # written in pieces that straddle the digest's pieces
@@ -240,3 +241,38 @@ def test_the_manifest_records_the_chunked_digest_of_each_arrow_split(prepared):
         record = manifest["outputs"][name]["digest"]
         assert record["format"] == "pair_dpo_trainer.sha256-chunks/1"
         assert record["digest"] == _independent_chunked((prepared / name).read_bytes(), record["chunk_bytes"])
+
+
+def _settled(path: Path) -> None:
+    """Waits until ``path`` last changed long enough ago for a proof of it to count (``integrity.proof``)."""
+    st = path.stat()
+    time.sleep(max(0.0, max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 + RACY_SECONDS + 0.1 - time.time()))
+
+
+def test_the_nodes_other_ranks_take_the_local_mains_proof_unless_the_file_changed(tmp_path, prepared, monkeypatch):
+    hashed = []
+    real = prepared_module.digest_per_record
+    monkeypatch.setattr(
+        prepared_module, "digest_per_record", lambda path, record: hashed.append(path) or real(path, record)
+    )
+    copy = tmp_path / "prepared"
+    copy.mkdir()
+    for name in os.listdir(prepared):
+        (copy / name).write_bytes((prepared / name).read_bytes())
+    _settled(copy / "train.arrow")
+    split = load_prepared(copy, "train")
+    proof = split.verify()  # the local main's hashing
+    assert proof.stamp is not None and len(hashed) == 1
+    assert split.verify(proof) is proof and len(hashed) == 1  # another rank of the node: not hashed again
+
+    def other_rank(work):  # what Node.once gives a rank that is not its node's local main
+        return proof, False
+
+    limits = dict(max_length=64, max_prompt_length=32, max_tokens_per_microbatch=None)
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
+    as_pair_dataset(split, tokenizer, **limits, once=other_rank, cache_dir=str(tmp_path / "cache"))
+    assert len(hashed) == 1
+    _swap_chosen_rejected(copy / "train.arrow", only_first=True)  # after the proof: its stamp (ctime) changed
+    with pytest.raises(ConfigError) as info:
+        as_pair_dataset(split, tokenizer, **limits, once=other_rank, cache_dir=str(tmp_path / "cache"))
+    assert info.value.reason_code == "bad_manifest" and len(hashed) == 2  # hashed by this rank, and refused
