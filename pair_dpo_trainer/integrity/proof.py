@@ -51,9 +51,9 @@ def settled_stamp(path: str | os.PathLike[str], before: FileStamp | None, size: 
         size: The bytes the hashing read.
 
     Returns:
-        The stamp now, when it equals ``before``, has ``size`` bytes and last changed more than :data:`RACY_SECONDS`
-        ago (a write within that window may leave the stamp as it was); None when the file changed while it was
-        hashed or too recently.
+        The file's current stamp, when it equals ``before``, has ``size`` bytes and last changed more than
+        :data:`RACY_SECONDS` ago (a write within that window may leave the stamp as it was); None when the file
+        changed while it was hashed or too recently.
     """
     after = FileStamp.of(path)
     if after is None or after != before or after.size != size:
