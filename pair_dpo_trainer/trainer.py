@@ -34,6 +34,7 @@ from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
 from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, prepared_limits
+from pair_dpo_trainer.data.token_ids import input_vocab_size
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
@@ -155,8 +156,9 @@ class PairDPOTrainer(Trainer):
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         self.renderings: dict[str, str] = {}  # dataset -> how its rows became tokens (run summary)
-        train_pairs = self._pairs(train_dataset, processing_class, args, "train dataset")
-        eval_pairs = self._pairs(eval_dataset, processing_class, args, "eval dataset")
+        vocab = input_vocab_size(model)  # every token id of the pairs is checked against it
+        train_pairs = self._pairs(train_dataset, processing_class, args, "train dataset", vocab)
+        eval_pairs = self._pairs(eval_dataset, processing_class, args, "eval dataset", vocab)
         super().__init__(
             model=model,
             args=args,
@@ -224,8 +226,9 @@ class PairDPOTrainer(Trainer):
             **self._given,
         )
 
-    def _pairs(self, dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str) -> Any:
-        """The tokenised pairs of one dataset argument; records how its rows were rendered."""
+    def _pairs(self, dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str, vocab_size: int) -> Any:
+        """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows;
+        records how its rows were rendered."""
         if dataset is None:
             return None
         pairs, renderings = pair_dataset_and_rendering(
@@ -240,6 +243,7 @@ class PairDPOTrainer(Trainer):
             cache_dir=args.dataset_cache_dir,
             once=Node.from_args(args).once,  # tokenised by each node's local main, memory-mapped by the others
             apply_chat_template_to_strings=args.apply_chat_template_to_strings,
+            vocab_size=vocab_size,
         )
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs

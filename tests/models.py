@@ -22,11 +22,12 @@ SHARP_VOCAB = 101
 GPU_VOCAB = 32000
 
 
-def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer GQA Llama, float32, identical for a given seed on every process."""
+def tiny_llama(seed: int = 0, vocab_size: int = VOCAB) -> LlamaForCausalLM:
+    """A 2-layer GQA Llama, float32, identical for a given seed on every process; ``vocab_size`` embedding rows
+    (``len(tokenizer)`` for rows tokenised by a real tokenizer: the trainer refuses ids the embedding lacks)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,

@@ -224,7 +224,7 @@ def test_a_build_that_fails_for_another_reason_is_raised_as_it_is(tmp_path):
 def test_the_trainer_uses_the_configured_cache_and_memory_maps_raw_rows(tmp_path, tok):
     cache = tmp_path / "my-cache"
     args = cpu_config(tmp_path, dataset_cache_dir=str(cache), dataset_num_proc=2, max_length=128, max_prompt_length=64)
-    trainer = PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=_rows(20), processing_class=tok)
+    trainer = PairDPOTrainer(model=tiny_llama(0, len(tok)), args=args, train_dataset=_rows(20), processing_class=tok)
     assert isinstance(trainer.train_dataset, datasets.Dataset)
     (filename,) = (f["filename"] for f in trainer.train_dataset.cache_files)
     assert Path(filename).parent.parent == cache and Path(filename).name == "pairs.arrow"
@@ -311,11 +311,11 @@ def test_a_prepared_split_at_the_run_limits_is_memory_mapped_as_it_is(tmp_path, 
     assert list(split) == jsonl  # the Arrow rows read back as the JSON lines
     cache = tmp_path / "cache"
     args = cpu_config(tmp_path, max_length=128, max_prompt_length=64, dataset_cache_dir=str(cache))
-    trainer = PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=split, processing_class=tok)
+    trainer = PairDPOTrainer(model=tiny_llama(0, len(tok)), args=args, train_dataset=split, processing_class=tok)
     assert [f["filename"] for f in trainer.train_dataset.cache_files] == [str(prepared / "train.arrow")]
     assert not cache.exists()  # nothing converted
     tighter = cpu_config(tmp_path, max_length=64, max_prompt_length=4, dataset_cache_dir=str(cache))
-    trainer = PairDPOTrainer(model=tiny_llama(0), args=tighter, train_dataset=split, processing_class=tok)
+    trainer = PairDPOTrainer(model=tiny_llama(0, len(tok)), args=tighter, train_dataset=split, processing_class=tok)
     assert Path(trainer.train_dataset.cache_files[0]["filename"]).parent.parent == cache  # cut once, into the cache
     assert max(len(r["prompt_input_ids"]) for r in trainer.train_dataset) == 4
     assert [r["source_row"] for r in trainer.train_dataset] == [r["source_row"] for r in jsonl]
@@ -329,7 +329,7 @@ def test_a_prepared_pair_over_the_budget_is_refused_with_its_index(tmp_path, tok
         tmp_path, max_length=128, max_prompt_length=64, max_tokens_per_microbatch=budget, gradient_accumulation_steps=1
     )
     with pytest.raises(PreferenceRowError) as info:
-        PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=split, processing_class=tok)
+        PairDPOTrainer(model=tiny_llama(0, len(tok)), args=args, train_dataset=split, processing_class=tok)
     assert info.value.reason_code == "pair_too_long"
     assert f"train dataset row {int(np.flatnonzero(costs > budget)[0])}:" in info.value.message
 

@@ -65,7 +65,11 @@ def long_rows(n: int, seed: int = 0) -> list[dict]:
 def _trainer(tmp_path, train, tokenizer, eval_=None, **overrides) -> PairDPOTrainer:
     args = cpu_config(tmp_path, max_length=MAX_LENGTH, max_prompt_length=MAX_PROMPT, **overrides)
     return PairDPOTrainer(
-        model=tiny_llama(0), args=args, train_dataset=train, eval_dataset=eval_, processing_class=tokenizer
+        model=tiny_llama(0, len(tokenizer)),
+        args=args,
+        train_dataset=train,
+        eval_dataset=eval_,
+        processing_class=tokenizer,
     )
 
 
@@ -181,7 +185,7 @@ def prepared(tmp_path_factory) -> Path:
 
 def test_manifest_records_the_tokenizer_fingerprint_and_limits(prepared, tok):
     manifest = json.loads((prepared / "manifest.json").read_text())
-    assert manifest["format"] == "pair_dpo_trainer.prepare-data/4"
+    assert manifest["format"] == "pair_dpo_trainer.prepare-data/5"
     assert manifest["tokenizer"]["fingerprint"] == tokenizer_fingerprint(tok)
     assert (manifest["max_length"], manifest["max_prompt_length"]) == (128, 64)
 
@@ -245,7 +249,7 @@ def test_a_prepared_dir_gives_its_limits_to_a_run_that_sets_none(tmp_path, tok, 
     args = cpu_config(tmp_path)  # no limits given: 1024 / 512 by default, looser than the preparation's 128 / 64
     assert (args.max_length, args.max_prompt_length) == (1024, 512) and not args.limits_given()
     trainer = PairDPOTrainer(
-        model=tiny_llama(0), args=args, train_dataset=load_prepared(prepared, "train"), processing_class=tok
+        model=tiny_llama(0, len(tok)), args=args, train_dataset=load_prepared(prepared, "train"), processing_class=tok
     )
     assert (trainer.args.max_length, trainer.args.max_prompt_length) == (128, 64)
 
@@ -314,7 +318,7 @@ def test_the_length_helper_reads_back_what_was_packed(tmp_path, tok):
         for r in long_rows(8)
     ]
     args = cpu_config(tmp_path, max_length=4096, max_prompt_length=2048)
-    trainer = PairDPOTrainer(model=tiny_llama(0), args=args, train_dataset=features, processing_class=tok)
+    trainer = PairDPOTrainer(model=tiny_llama(0, len(tok)), args=args, train_dataset=features, processing_class=tok)
     got = Counter(pair for batch in trainer.get_train_dataloader() for pair in _sequence_lengths(batch))
     want = Counter(
         (len(f["prompt_input_ids"]) + len(f[key]), len(f["prompt_input_ids"]))

@@ -28,7 +28,7 @@ def _bar(text: str, desc: str, total: int) -> bool:
 def test_tokenising_raw_rows_in_the_trainer_shows_a_bar(tmp_path, capsys, disable_tqdm):
     capsys.readouterr()
     PairDPOTrainer(
-        model=tiny_llama(0),
+        model=tiny_llama(0, len(AutoTokenizer.from_pretrained(bundled_model_dir()))),
         args=cpu_config(tmp_path, disable_tqdm=disable_tqdm),
         train_dataset=generate_demo_pairs(seed=0, n=12),
         eval_dataset=generate_demo_pairs(seed=1, n=5),

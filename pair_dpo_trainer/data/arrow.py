@@ -23,6 +23,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from pair_dpo_trainer.integrity.hashing import ChunkedSha256
+
 IDS_TYPE = pa.list_(pa.int32())
 """Arrow type of a token-id column."""
 
@@ -41,16 +43,19 @@ class StreamFile:
         rows: Rows written.
         size: Bytes of the file.
         sha256: SHA-256 of the file's bytes.
+        digest: Its chunked digest as a manifest records it (``integrity.hashing.ChunkedSha256.record``; empty for
+            a scratch file): what a reader checks the file against, on every core.
     """
 
     rows: int
     size: int
     sha256: str
+    digest: dict[str, Any]
 
 
 class HashingFile:
-    """A binary file that hashes what is written to it and is fsynced on close (pyarrow writes through ``write``);
-    ``durable=False``: neither hashed nor fsynced (a scratch file).
+    """A binary file that hashes what is written to it (SHA-256 and the chunked digest) and is fsynced on close
+    (pyarrow writes through ``write``); ``durable=False``: neither hashed nor fsynced (a scratch file).
 
     Args:
         path: The file (created or replaced).
@@ -60,6 +65,7 @@ class HashingFile:
     def __init__(self, path: str | os.PathLike[str], durable: bool = True) -> None:
         self._file = open(path, "wb")  # noqa: SIM115 - closed by close()
         self._digest = hashlib.sha256() if durable else None
+        self._chunked = ChunkedSha256() if durable else None
         self.size = 0
         self.closed = False
 
@@ -67,6 +73,8 @@ class HashingFile:
         view = memoryview(data)
         if self._digest is not None:
             self._digest.update(view)
+        if self._chunked is not None:
+            self._chunked.update(view)
         self.size += view.nbytes
         return self._file.write(view)
 
@@ -83,6 +91,10 @@ class HashingFile:
 
     def hexdigest(self) -> str:
         return "" if self._digest is None else self._digest.hexdigest()
+
+    def digest_record(self) -> dict[str, Any]:
+        """The chunked digest's record (``integrity.hashing.ChunkedSha256.record``; empty when not durable)."""
+        return {} if self._chunked is None else self._chunked.record()
 
 
 class StreamWriter:
@@ -117,7 +129,7 @@ class StreamWriter:
         if self.result is None:
             self._writer.close()
             self._sink.close()
-            self.result = StreamFile(self._rows, self._sink.size, self._sink.hexdigest())
+            self.result = StreamFile(self._rows, self._sink.size, self._sink.hexdigest(), self._sink.digest_record())
         return self.result
 
     def __enter__(self) -> StreamWriter:
@@ -128,7 +140,7 @@ class StreamWriter:
 
 
 def write_stream(path: str | os.PathLike[str], schema: pa.Schema, batches: Iterable[pa.RecordBatch]) -> StreamFile:
-    """Writes ``batches`` to ``path`` as one Arrow stream file; returns its row count, size and SHA-256."""
+    """Writes ``batches`` to ``path`` as one Arrow stream file; returns its row count, size and digests."""
     with StreamWriter(path, schema) as writer:
         for batch in batches:
             writer.write(batch)

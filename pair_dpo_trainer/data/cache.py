@@ -7,13 +7,19 @@ nothing. Each entry is ``<root>/pairs-<32 hex of the key's SHA-256>/`` holding `
 written, who wrote it and when) and ``pairs.arrow`` (an Arrow stream file) unless nothing had to change (pre-tokenised
 rows within the limits: the dataset itself is used).
 
+An entry is checked against the chunked digest its ``meta.json`` records each time it is looked up (on every core,
+by the process that looks it up: each node's local main); one that does not match is logged, removed and rebuilt
+from the rows, never used.
+
 Details: docs/architecture.md, "Module notes", ``data/cache.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import os
 import pickle
 import secrets
@@ -27,8 +33,12 @@ from typing import Any
 
 from pair_dpo_trainer.atomic import disk_full, space_text, unwritable
 from pair_dpo_trainer.errors import ConfigError, PairDPOError
+from pair_dpo_trainer.integrity.hashing import digest_per_record
 
-CACHE_FORMAT = 1
+logger = logging.getLogger(__name__)
+
+CACHE_FORMAT = 2
+"""Part of every key (2: entries record the chunked digest of ``pairs.arrow``, checked on lookup)."""
 META_FILE = "meta.json"
 ARROW_FILE = "pairs.arrow"
 _STALE_SECONDS = 24 * 3600
@@ -76,7 +86,8 @@ class CacheEntry:
     Attributes:
         directory: The entry's directory.
         meta: Its ``meta.json``: ``key``, ``result`` (``rows``, ``num_truncated``, ``arrow`` file name or None,
-            ``size``, ``sha256``), ``created_by`` (``host``, ``pid``), ``created_at``, ``seconds``, ``num_proc``.
+            ``size``, ``sha256``, ``digest``: the chunked digest record),
+            ``created_by`` (``host``, ``pid``), ``created_at``, ``seconds``, ``num_proc``.
         built_here: This process built it (False: found, written by an earlier run or another process).
     """
 
@@ -121,7 +132,8 @@ class PairCache:
         return self.root / f"pairs-{key_digest(key)[:32]}"
 
     def lookup(self, key: Mapping[str, Any]) -> CacheEntry | None:
-        """The complete entry of exactly ``key``, else None."""
+        """The complete entry of exactly ``key`` whose Arrow file matches its recorded size and digest, else None (an
+        entry that does not match is removed: see :meth:`_intact`)."""
         directory = self.entry_dir(key)
         try:
             meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
@@ -129,14 +141,43 @@ class PairCache:
             return None
         if not isinstance(meta, dict) or meta.get("key") != json.loads(json.dumps(dict(key))):
             return None
-        name = meta.get("result", {}).get("arrow")
-        if name is not None:
-            try:
-                if (directory / name).stat().st_size != meta["result"]["size"]:
-                    return None
-            except (OSError, KeyError):
-                return None
+        result = meta.get("result", {})
+        if result.get("arrow") is not None and not self._intact(directory, result):
+            return None
         return CacheEntry(directory, meta)
+
+    def _intact(self, directory: Path, result: Mapping[str, Any]) -> bool:
+        """Whether the entry's Arrow file has the size and chunked digest ``result`` records; one that has not is
+        logged and removed (``get_or_build`` then rebuilds it from the rows)."""
+        path = directory / result["arrow"]
+        try:
+            found = path.stat().st_size
+            if found == result["size"]:
+                actual, found = digest_per_record(path, result["digest"])
+                if actual == result["digest"]["digest"]:
+                    return True
+                found_text = f"digest {actual[:16]}..., recorded {result['digest']['digest'][:16]}..."
+            else:
+                found_text = f"{found} bytes, recorded {result['size']}"
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            found_text = f"unreadable: {exc}"
+        logger.warning(
+            "the tokenised-pairs cache entry at %s did not match its recorded digest (%s): it is removed and rebuilt "
+            "from the rows",
+            directory,
+            found_text,
+        )
+        self._remove(directory)
+        return False
+
+    def _remove(self, directory: Path) -> None:
+        """Moves an entry out of the way at once (a rename), then deletes it."""
+        gone = self.root / f".{directory.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
+        try:
+            os.rename(directory, gone)
+        except OSError:
+            return  # already moved by another process
+        shutil.rmtree(gone, ignore_errors=True)
 
     def get_or_build(
         self, key: Mapping[str, Any], build: Callable[[Path], dict[str, Any]], *, num_proc: int = 1
@@ -212,7 +253,8 @@ class PairCache:
         if existing is not None:
             return existing
         broken = self.root / f".{final.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-        os.rename(final, broken)
+        with contextlib.suppress(FileNotFoundError):  # lookup removed it: its file did not match its digest
+            os.rename(final, broken)
         os.rename(tmp, final)
         shutil.rmtree(broken, ignore_errors=True)
         return CacheEntry(final, meta, built_here=True)

@@ -22,6 +22,7 @@ from pair_dpo_trainer.data.arrow import is_arrow_dataset
 from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import OncePerNode, build_pairs, in_this_process
 from pair_dpo_trainer.data.prepared import PreparedSplit
+from pair_dpo_trainer.data.token_ids import check_token_ids
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
 
@@ -75,6 +76,7 @@ def pair_dataset_and_rendering(
     cache_dir: str | None = None,
     once: OncePerNode = in_this_process,
     apply_chat_template_to_strings: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[Any, dict[str, str]]:
     """Returns the tokenised pairs of ``dataset`` within ``max_length`` / ``max_prompt_length``, and how each
     dataset's rows were rendered (``desc`` -> :func:`rendering_summary`; one entry per named eval set).
@@ -97,6 +99,8 @@ def pair_dataset_and_rendering(
         cache_dir: Root of the tokenised-pairs cache (None: :func:`~pair_dpo_trainer.data.cache.default_cache_dir`).
         once: Runs a conversion once per node (``parallel.node.Node.once``); default: in this process.
         apply_chat_template_to_strings: Render plain-string rows with the chat template instead of as raw text.
+        vocab_size: Rows of the model's input embedding: every token id of the pairs is checked to lie in
+            ``[0, vocab_size)`` (:func:`~pair_dpo_trainer.data.token_ids.check_token_ids`); None: not checked.
 
     Returns:
         A memory-mapped ``datasets.Dataset`` (a list of feature dicts for a list of pre-tokenised rows; a dict of
@@ -105,14 +109,14 @@ def pair_dataset_and_rendering(
 
     Raises:
         ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` / ``rendering_mismatch`` for a
-            prepared split that does not fit the run (see :mod:`pair_dpo_trainer.data.prepared`);
-            ``dataset_cache_unwritable``.
+            prepared split that does not fit the run (see :mod:`pair_dpo_trainer.data.prepared`), ``bad_manifest``
+            for one whose bytes do not match its manifest; ``bad_token_id``; ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
     limits: dict[str, Any] = dict(max_length=max_length, max_prompt_length=max_prompt_length)
     limits["max_tokens_per_microbatch"] = max_tokens_per_microbatch
     options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
-    options["apply_chat_template_to_strings"] = apply_chat_template_to_strings
+    options.update(apply_chat_template_to_strings=apply_chat_template_to_strings, vocab_size=vocab_size)
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
         converted = {
             name: _one_dataset(part, tokenizer, limits, f"{desc} {name!r}", **options) for name, part in dataset.items()
@@ -134,11 +138,37 @@ def _one_dataset(
     cache_dir: str | None,
     once: OncePerNode,
     apply_chat_template_to_strings: bool,
+    vocab_size: int | None,
 ) -> tuple[Any, str]:
-    """:func:`pair_dataset_and_rendering` of one dataset: its pairs and its rendering in words."""
+    """:func:`pair_dataset_and_rendering` of one dataset: its pairs (their ids checked against ``vocab_size``) and
+    its rendering in words."""
+    options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
+    pairs, rendering = _convert(dataset, tokenizer, limits, desc, apply_chat_template_to_strings, **options)
+    if vocab_size is not None:
+        check_token_ids(pairs, vocab_size, desc)
+    return pairs, rendering
+
+
+def _convert(
+    dataset: Any,
+    tokenizer: Any,
+    limits: Mapping[str, Any],
+    desc: str,
+    apply_chat_template_to_strings: bool,
+    *,
+    progress: bool,
+    num_proc: int,
+    cache_dir: str | None,
+    once: OncePerNode,
+) -> tuple[Any, str]:
+    """The pairs of one dataset and its rendering in words; a prepared split's bytes are verified first, once per
+    node (:meth:`~pair_dpo_trainer.data.prepared.PreparedSplit.verify`)."""
     rendering = None
     if isinstance(dataset, PreparedSplit):
         rendering = f"prepared in {dataset.directory} ({rendering_summary(dataset.renderings)})"
+        proof, here = once(dataset.verify)  # hashed by the node's local main
+        if not here:
+            dataset.verify(proof)  # the node's other ranks: not hashed again while the file is the one proven
         dataset.check(
             tokenizer,
             max_length=limits["max_length"],

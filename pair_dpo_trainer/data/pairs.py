@@ -211,6 +211,7 @@ def _write_pairs(
         "num_truncated": tally.num_truncated,
         "size": 0 if unchanged else written.size,
         "sha256": None if unchanged else written.sha256,
+        "digest": None if unchanged else written.digest,
         "renderings": {name: tally.renderings[name] for name in sorted(tally.renderings)},
     }
 

@@ -209,7 +209,8 @@ def write_splits(directory: Path, read: ReadResult, assignment: dict[str, np.nda
     Rows are written in input order, one batch of the candidates file at a time.
 
     Returns:
-        ``{file name: {"rows": n, "sha256": hex}}`` for the manifest's ``outputs``.
+        ``{file name: {"rows": n, "sha256": hex}}`` for the manifest's ``outputs``; an Arrow file's entry also has
+        ``digest``, its chunked digest (``integrity.hashing.ChunkedSha256.record``), checked before it is trained on.
     """
     split_of = np.full(read.tally.num_accepted, -1, dtype=np.int8)
     names = list(assignment)
@@ -252,5 +253,5 @@ class _SplitWriter:
         arrow = self._arrow.close()
         return {
             f"{self.name}.jsonl": {"rows": self.rows, "sha256": self._jsonl.hexdigest()},
-            f"{self.name}.arrow": {"rows": arrow.rows, "sha256": arrow.sha256},
+            f"{self.name}.arrow": {"rows": arrow.rows, "sha256": arrow.sha256, "digest": arrow.digest},
         }

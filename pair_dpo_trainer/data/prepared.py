@@ -21,12 +21,15 @@ import pyarrow as pa
 from pair_dpo_trainer.data.arrow import open_arrow
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.integrity.hashing import CHUNKED_FORMAT, digest_per_record, is_digest_record
+from pair_dpo_trainer.integrity.proof import FileStamp, settled_stamp
 
 _REDO = "re-run `pair-dpo prepare-data` into a fresh --output directory"
 
-MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/4"
+MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/5"
 """The manifest format this package writes and reads (2: records the tokenizer fingerprint; 3: Arrow splits; 4: how
-plain strings were rendered, ``apply_chat_template_to_strings`` and ``renderings``)."""
+plain strings were rendered, ``apply_chat_template_to_strings`` and ``renderings``; 5: the chunked digest of each
+Arrow split, ``outputs[<split>.arrow].digest``, checked before the split is trained on)."""
 
 SPLITS: tuple[str, ...] = ("train", "eval")
 
@@ -42,6 +45,23 @@ PREPARED_SCHEMA = pa.schema(
     ]
 )
 """Columns of ``<split>.arrow``: ``pair`` is the JSON of the normalised row (``PreferencePair.as_row()``)."""
+
+
+@dataclass(frozen=True)
+class VerifiedSplit:
+    """A split's Arrow file whose bytes matched its manifest's digest: what the node's other ranks check instead of
+    hashing the same file again (the pattern of ``integrity.proof``).
+
+    Attributes:
+        path: The Arrow file.
+        digest: Its digest (the manifest's).
+        stamp: Its stamp when hashed (``integrity.proof.settled_stamp``); None when it changed while or just before it
+            was hashed: then every rank hashes it.
+    """
+
+    path: str
+    digest: str
+    stamp: FileStamp | None
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,6 +141,40 @@ class PreparedSplit(Sequence):
                 f"{prepared_length - prepared_prompt}.",
             )
 
+    def verify(self, proof: VerifiedSplit | None = None) -> VerifiedSplit:
+        """Checks the bytes of ``<split>.arrow`` against the digest its manifest records, hashed on every core.
+
+        Args:
+            proof: What another process of this node found (``verify()`` there): when it names this file, with this
+                digest, and the file's stamp is still the proven one, the file is not hashed again.
+
+        Returns:
+            The proof for the node's other ranks.
+
+        Raises:
+            ConfigError: ``bad_manifest`` when the bytes do not match (the file was edited or corrupted after
+                ``prepare-data`` wrote it) or cannot be read.
+        """
+        path = Path(self.directory) / f"{self.split}.arrow"
+        record = self.manifest["outputs"][path.name]["digest"]
+        if proof is not None and proof.stamp is not None and proof.path == str(path):
+            if proof.digest == record["digest"] and FileStamp.of(path) == proof.stamp:
+                return proof
+        before = FileStamp.of(path)
+        try:
+            actual, size = digest_per_record(path, record)
+        except OSError as exc:
+            raise ConfigError("bad_manifest", f"{path} cannot be read ({exc}); {_REDO}.") from exc
+        if actual != record["digest"]:
+            raise ConfigError(
+                "bad_manifest",
+                f"{path}: the bytes of {path.name} do not match the digest its manifest.json records (expected "
+                f"{record['digest'][:16]}..., actual {actual[:16]}...): the file changed after `pair-dpo prepare-data` "
+                "wrote it (edited, or corrupted on disk), and is not trained on. Run pair-dpo prepare-data again, into "
+                "a fresh --output directory.",
+            )
+        return VerifiedSplit(str(path), actual, settled_stamp(path, before, size))
+
     def _check_rendering(self, apply_chat_template_to_strings: bool) -> None:
         """``rendering_mismatch`` when the split holds plain-string rows rendered otherwise than the run asks."""
         prepared = bool(self.manifest.get("apply_chat_template_to_strings", False))
@@ -161,7 +215,9 @@ def load_prepared(directory: str | Path, split: str) -> PreparedSplit:
 
     Raises:
         ConfigError: ``bad_manifest`` when ``manifest.json`` is missing, unreadable, of another format (e.g. written
-            by an older version, without the tokenizer fingerprint) or lacks a field the checks need.
+            by an older version, without the tokenizer fingerprint) or lacks a field the checks need. The bytes of the
+            split are checked against the manifest's digest by :meth:`PreparedSplit.verify`, which the trainer calls
+            (once per node) before it reads a row.
 
     Example:
         >>> train = load_prepared("prepared/", "train")  # doctest: +SKIP
@@ -215,12 +271,17 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
         and all(isinstance(manifest.get(key), int) for key in ("max_length", "max_prompt_length"))
         and isinstance(manifest.get("renderings"), dict)
         and isinstance(outputs, dict)
-        and all(isinstance(outputs.get(f"{split}.arrow", {}).get("rows"), int) for split in SPLITS)
+        and all(_output_ok(outputs.get(f"{split}.arrow")) for split in SPLITS)
     )
     if not fields_ok:
         raise ConfigError(
             "bad_manifest",
-            f"{path} lacks tokenizer.fingerprint, max_length, max_prompt_length, renderings or the Arrow outputs; "
-            f"{_REDO}.",
+            f"{path} lacks tokenizer.fingerprint, max_length, max_prompt_length, renderings or the Arrow outputs "
+            f"(their rows and {CHUNKED_FORMAT} digests); {_REDO}.",
         )
     return manifest
+
+
+def _output_ok(output: Any) -> bool:
+    """An ``outputs`` entry of an Arrow split: its ``rows`` and its chunked ``digest`` record."""
+    return isinstance(output, dict) and isinstance(output.get("rows"), int) and is_digest_record(output.get("digest"))

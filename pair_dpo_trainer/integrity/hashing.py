@@ -8,11 +8,16 @@ Two digests are used by the Hugging Face Hub as file etags:
 Files are read with ``readinto`` into one reusable buffer per thread (``CHUNK_SIZE`` bytes), so memory
 stays bounded whatever the file size; ``hashlib`` releases the GIL on large buffers, so files hash in
 parallel threads.
+
+The package's own files (``prepare-data`` splits, tokenised-pairs cache entries) carry a third digest, one that one
+large file can be checked with on every core: :data:`CHUNKED_FORMAT` (:class:`ChunkedSha256` while writing,
+:func:`chunked_file_digest` when reading back).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import stat
 import threading
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
@@ -31,6 +37,13 @@ KIND_BY_ETAG_LENGTH = {40: "git", 64: "lfs"}
 
 ProgressFn = Callable[[int, int], None]
 """``progress(bytes_just_hashed, total_bytes)``; called from worker threads, serialised by a lock."""
+
+CHUNKED_FORMAT = "pair_dpo_trainer.sha256-chunks/1"
+"""The chunked digest: the SHA-256 of ``"<format> <chunk_bytes> <size>\\n"`` followed by the 32-byte SHA-256 of each
+consecutive ``chunk_bytes`` piece of the file, in order (one piece, empty, for an empty file)."""
+
+DIGEST_CHUNK_BYTES = 64 * 1024 * 1024
+"""Piece size of the chunked digest as the package records it (a 6 GB file: ~100 pieces, enough for 32 threads)."""
 
 _local = threading.local()
 
@@ -200,3 +213,120 @@ def verify_hashes(
                 future.cancel()
             raise failed[0][1].exception()  # type: ignore[misc]
     return [futures[i].result() for i in range(len(jobs))]
+
+
+def combine_chunk_digests(digests: Sequence[bytes], size: int, chunk_bytes: int) -> str:
+    """The :data:`CHUNKED_FORMAT` hex digest of a file of ``size`` bytes whose pieces have the SHA-256 ``digests``."""
+    hasher = hashlib.sha256(f"{CHUNKED_FORMAT} {chunk_bytes} {size}\n".encode())
+    for digest in digests:
+        hasher.update(digest)
+    return hasher.hexdigest()
+
+
+class ChunkedSha256:
+    """The :data:`CHUNKED_FORMAT` digest of bytes fed in order (``update``), e.g. as a file is written.
+
+    Args:
+        chunk_bytes: Piece size (:data:`DIGEST_CHUNK_BYTES`).
+    """
+
+    def __init__(self, chunk_bytes: int = DIGEST_CHUNK_BYTES) -> None:
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self.chunk_bytes = chunk_bytes
+        self.size = 0
+        self._piece = hashlib.sha256()
+        self._filled = 0
+        self._digests: list[bytes] = []
+
+    def update(self, data: Any) -> None:
+        """Feeds the next bytes (any buffer)."""
+        view = memoryview(data).cast("B")
+        while len(view):
+            take = min(len(view), self.chunk_bytes - self._filled)
+            self._piece.update(view[:take])
+            self._filled += take
+            self.size += take
+            view = view[take:]
+            if self._filled == self.chunk_bytes:
+                self._digests.append(self._piece.digest())
+                self._piece, self._filled = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        """The digest of every byte fed so far."""
+        tail = [self._piece.digest()] if self._filled or not self._digests else []
+        return combine_chunk_digests([*self._digests, *tail], self.size, self.chunk_bytes)
+
+    def record(self) -> dict[str, Any]:
+        """What a manifest records: ``{"format", "chunk_bytes", "digest"}`` (checked by :func:`digest_per_record`)."""
+        return {"format": CHUNKED_FORMAT, "chunk_bytes": self.chunk_bytes, "digest": self.hexdigest()}
+
+
+def chunked_file_digest(
+    path: str | os.PathLike[str], *, chunk_bytes: int = DIGEST_CHUNK_BYTES, threads: int | None = None
+) -> tuple[str, int]:
+    """The :data:`CHUNKED_FORMAT` digest of a file, its pieces hashed in parallel threads (``os.preadv`` into each
+    thread's reusable buffer: bounded memory, no shared file offset).
+
+    Args:
+        path: The file.
+        chunk_bytes: Piece size the digest was recorded with.
+        threads: Worker threads; None: :func:`default_threads` of the number of pieces.
+
+    Returns:
+        ``(hex_digest, size)``; the size is the one seen at open time.
+
+    Raises:
+        OSError: The file cannot be read, is not a regular file, or shrank while it was read.
+    """
+    with open(path, "rb", buffering=0) as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise OSError(f"{path} is not a regular file")
+        size, fd = info.st_size, f.fileno()
+        pieces = max(1, math.ceil(size / chunk_bytes))
+
+        def piece(index: int) -> bytes:
+            hasher, view = hashlib.sha256(), _buffer(min(CHUNK_SIZE, chunk_bytes))
+            offset, end = index * chunk_bytes, min(size, (index + 1) * chunk_bytes)
+            while offset < end:
+                n = os.preadv(fd, [view[: min(len(view), end - offset)]], offset)
+                if not n:
+                    raise OSError(f"{path} shrank while it was hashed")
+                hasher.update(view[:n])
+                offset += n
+            return hasher.digest()
+
+        workers = default_threads(pieces) if threads is None else max(1, min(threads, pieces))
+        if workers == 1:
+            digests = [piece(i) for i in range(pieces)]
+        else:
+            with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pair-dpo-hash") as pool:
+                digests = list(pool.map(piece, range(pieces)))
+    return combine_chunk_digests(digests, size, chunk_bytes), size
+
+
+def is_digest_record(record: Any) -> bool:
+    """True for a :meth:`ChunkedSha256.record` (of :data:`CHUNKED_FORMAT`, a positive piece size, a digest)."""
+    return (
+        isinstance(record, dict)
+        and record.get("format") == CHUNKED_FORMAT
+        and isinstance(record.get("chunk_bytes"), int)
+        and record["chunk_bytes"] >= 1
+        and isinstance(record.get("digest"), str)
+    )
+
+
+def digest_per_record(path: str | os.PathLike[str], record: Any, *, threads: int | None = None) -> tuple[str, int]:
+    """The digest of ``path`` computed the way ``record`` (a :meth:`ChunkedSha256.record`) says.
+
+    Returns:
+        ``(hex_digest, size)``: compare the digest with ``record["digest"]``.
+
+    Raises:
+        ValueError: ``record`` is not a digest record of :data:`CHUNKED_FORMAT`.
+        OSError: As :func:`chunked_file_digest`.
+    """
+    if not is_digest_record(record):
+        raise ValueError(f"not a {CHUNKED_FORMAT} digest record: {record!r}")
+    return chunked_file_digest(path, chunk_bytes=record["chunk_bytes"], threads=threads)

@@ -42,6 +42,27 @@ class FileStamp:
         return cls(st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
+def settled_stamp(path: str | os.PathLike[str], before: FileStamp | None, size: int) -> FileStamp | None:
+    """The stamp of a file just hashed, when a digest of it proves something to another process; else None.
+
+    Args:
+        path: The file.
+        before: Its stamp taken before it was hashed.
+        size: The bytes the hashing read.
+
+    Returns:
+        The file's current stamp, when it equals ``before``, has ``size`` bytes and last changed more than
+        :data:`RACY_SECONDS` ago (a write within that window may leave the stamp as it was); None when the file
+        changed while it was hashed or too recently.
+    """
+    after = FileStamp.of(path)
+    if after is None or after != before or after.size != size:
+        return None  # changed while it was hashed
+    if max(after.mtime_ns, after.ctime_ns) > time.time_ns() - int(RACY_SECONDS * 1e9):
+        return None  # too recent to tell a later write apart
+    return after
+
+
 @dataclass(frozen=True)
 class ProvenFile:
     """One file the local main hashed: repository path, resolved path, digest kind, digest and stamp."""
@@ -88,15 +109,11 @@ def verify_and_prove(
     plan = plan_snapshot(path, revision, allow_pickle=allow_pickle)
     before = [FileStamp.of(job.path) for job in plan.jobs]
     snapshot = plan.verified(verify_hashes(list(plan.jobs), threads=threads, progress=progress))
-    settled = time.time_ns() - int(RACY_SECONDS * 1e9)
     proven = []
     for job, file, stamp in zip(plan.jobs, snapshot.files, before, strict=True):
-        after = FileStamp.of(job.path)
-        if after is None or after != stamp or after.size != file.size:
-            continue  # changed while it was hashed
-        if max(after.mtime_ns, after.ctime_ns) > settled:
-            continue  # too recent to tell a later write apart
-        proven.append(ProvenFile(job.rel, str(job.path), job.kind, file.digest, after))
+        after = settled_stamp(job.path, stamp, file.size)
+        if after is not None:
+            proven.append(ProvenFile(job.rel, str(job.path), job.kind, file.digest, after))
     proof = SnapshotProof(str(plan.root), plan.revision, snapshot.manifest_digest, tuple(proven))
     return snapshot, proof
 
