@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from pair_dpo_trainer.fault_tolerance.checkpoint import MANIFEST_FILENAME, MANIFEST_FORMAT, read_manifest
 from pair_dpo_trainer.fault_tolerance.checkpoint_trust import checkpoint_verdict
 from pair_dpo_trainer.integrity.pickles import pickle_problem
+from tests.faults import logs, outcome, run_spec, run_to_end
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3
@@ -145,6 +146,46 @@ def test_an_untouched_checkpoint_resumes_to_the_uninterrupted_weights(saved, run
     assert set(resumed) == set(straight) and len(straight) > 0
     for key, value in straight.items():
         torch.testing.assert_close(resumed[key], value, atol=1e-6, rtol=0, msg=key)
+
+
+# ------------------------------------------------------------------------------------------------ DeepSpeed ZeRO-3
+@pytest.fixture(scope="module")
+def zero3_checkpoint(tmp_path_factory) -> Path:
+    """``checkpoint-2`` of a 2-step ZeRO-3 run on 2 CPU processes (tests/fault_worker.py, gloo)."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is part of the test extra: pip install -e '.[test]'")
+    from tests.test_deepspeed import DS_CONFIG
+
+    root = tmp_path_factory.mktemp("zero3")
+    spec = run_spec(root, "run", max_steps=2, deepspeed=DS_CONFIG, ddp_timeout=120)
+    assert run_to_end([spec], root / "run", world_size=2) == [0, 0], logs(root / "run")
+    return Path(spec["out"]) / "checkpoint-2"
+
+
+@pytest.mark.slow
+@pytest.mark.distributed  # two ZeRO-3 launches of 2 processes (~1 min each on 2 cores)
+def test_a_zero3_model_states_pickle_with_code_is_refused_on_every_rank_and_never_unpickled(zero3_checkpoint, tmp_path):
+    from tests.test_deepspeed import DS_CONFIG
+
+    name = "global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt"
+    assert name in read_manifest(zero3_checkpoint)["files"]
+    assert checkpoint_verdict(zero3_checkpoint) is None  # real ZeRO-3 files reference only allowed globals
+    marker = tmp_path / "payload-ran"
+    sized = tmp_path / "sized" / "checkpoint-2"
+    shutil.copytree(zero3_checkpoint, sized)
+    _forge(sized / name, marker)
+    _record(sized, name, digest=False)
+    verdict = checkpoint_verdict(sized)
+    assert verdict is not None and verdict[0] == "checkpoint_tampered" and name in verdict[1]
+
+    spec = run_spec(tmp_path, "resume", max_steps=3, deepspeed=DS_CONFIG, ddp_timeout=120, resume="latest")
+    forged = Path(spec["out"]) / "checkpoint-2"
+    shutil.copytree(sized, forged)
+    _record(forged, name, digest=True)  # the manifest vouches for the forged file
+    assert run_to_end([spec], tmp_path / "resume", world_size=2) == [1, 1], logs(tmp_path / "resume")
+    for rank in (0, 1):
+        result = outcome(spec, rank)
+        assert result["reason_code"] == "checkpoint_unsafe_pickle" and name in result["message"], result
+    assert "builtins.exec" in outcome(spec, 0)["message"] and not marker.exists()
 
 
 # ------------------------------------------------------------------------------------------------ in process
