@@ -4,6 +4,7 @@ reference across steps, checkpoints and resume, step-level objectives independen
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -14,6 +15,7 @@ from transformers import TrainerCallback
 
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.errors import PairDPOError
+from pair_dpo_trainer.fault_tolerance.checkpoint import MANIFEST_FILENAME
 from pair_dpo_trainer.integrity import read_identity
 from pair_dpo_trainer.reference import NoReference
 from pair_dpo_trainer.reference.sync import SYNCED_REFERENCE_FILENAME
@@ -271,6 +273,17 @@ def test_tr_dpo_resume_checks_the_synced_weights_not_the_snapshot(tmp_path):
     name = sorted(tensors)[0]
     tensors[name] = tensors[name] + 1e-3
     save_file(tensors, str(checkpoint / SYNCED_REFERENCE_FILENAME))
+    tampered = _trainer(tmp_path, pairs, max_steps=3, save_strategy="no", **options)
+    with pytest.raises(PairDPOError) as info:  # its SHA-256 is not the manifest's
+        tampered.train(resume_from_checkpoint=str(checkpoint))
+    assert info.value.reason_code == "checkpoint_tampered" and SYNCED_REFERENCE_FILENAME in str(info.value)
+
+    manifest_path = checkpoint / MANIFEST_FILENAME  # a manifest that vouches for the change: the gate still sees it
+    manifest = json.loads(manifest_path.read_text())
+    data = (checkpoint / SYNCED_REFERENCE_FILENAME).read_bytes()
+    manifest["files"][SYNCED_REFERENCE_FILENAME] = len(data)
+    manifest["sha256"][SYNCED_REFERENCE_FILENAME] = hashlib.sha256(data).hexdigest()
+    manifest_path.write_text(json.dumps(manifest))
     tampered = _trainer(tmp_path, pairs, max_steps=3, save_strategy="no", **options)
     with pytest.raises(PairDPOError) as info:
         tampered.train(resume_from_checkpoint=str(checkpoint))

@@ -28,12 +28,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from pair_dpo_trainer.atomic import atomic_open, disk_full, disk_space, fsync_dir, fsync_tree, space_text
 from pair_dpo_trainer.errors import CheckpointError, PairDPOError
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, write_identity
+from pair_dpo_trainer.integrity.hashing import sha256_files
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 
 logger = logging.getLogger(__name__)
 
 MANIFEST_FILENAME = "pair_dpo_checkpoint.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2
 STAGING_DIRNAME = ".pair_dpo_staging"
 TRASH_PREFIX = ".pair_dpo_trash-"
 
@@ -164,13 +165,14 @@ def _output_dir_redirected(trainer: Any, root: Path) -> Iterator[None]:
 
 
 def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> None:
-    """Manifest, rename, fsync, then rotation (main process only)."""
+    """Manifest (every file's size and SHA-256), rename, fsync, then rotation (main process only)."""
     files = {
         str(path.relative_to(staged)): path.stat().st_size
         for path in sorted(staged.rglob("*"))
         if path.is_file() and not path.is_symlink() and path.name != IDENTITY_FILENAME
     }
     manifest = {
+        "sha256": sha256_files(staged, list(files)),  # what resume verifies before it loads anything
         "format": MANIFEST_FORMAT,
         "step": trainer.state.global_step,
         "world_size": trainer.args.world_size,

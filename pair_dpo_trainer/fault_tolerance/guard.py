@@ -33,6 +33,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     clear_leftovers,
     save_checkpoint_atomically,
 )
+from pair_dpo_trainer.fault_tolerance.checkpoint_trust import verify_resume_checkpoint
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import (
@@ -127,7 +128,8 @@ class RunGuard:
         Raises:
             RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node
                 run see different directories), ``collective_timeout``, ``peer_lost``.
-            CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``).
+            CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``),
+                ``checkpoint_tampered``, ``checkpoint_unsafe_pickle`` (``fault_tolerance/checkpoint_trust.py``).
             ConfigError: ``unsupported_combination`` for NCCL without a collective timeout, or ``save_on_each_node``
                 on more than one node.
             TrainingPreempted: after a stop signal in the training loop, once the checkpoint is saved on every rank.
@@ -226,14 +228,16 @@ class RunGuard:
         self._locked = self._output_dir
 
     def _resolve(self, resume_from_checkpoint: str | bool | None) -> str | None:
-        """Resolves the checkpoint on every rank (they must agree), then clears an interrupted run's leftovers."""
+        """Resolves the checkpoint on every rank (they must agree), clears an interrupted run's leftovers, and
+        verifies the checkpoint (``checkpoint_trust.py``: its hashes and pickles, read by the main process)."""
         resume = resolve_resume(resume_from_checkpoint, self._output_dir, warn=self._is_main)
         if self._is_main:
             clear_leftovers(self._output_dir)
         assert_ranks_agree("checkpoint to resume from", str(resume))
-        if resume is not None:
+        if resume is not None:  # before anything of it is unpickled or loaded
+            verify_resume_checkpoint(resume, is_main=self._is_main)
             options = self.options
-            check_resumed_settings(  # before anything of the checkpoint is loaded
+            check_resumed_settings(
                 resume, options.resume_settings, allow_mismatch=options.allow_resume_data_mismatch, warn=self._is_main
             )
         if resume is not None and self._is_main:

@@ -78,7 +78,8 @@ def _explicit(path: str, *, warn: bool) -> str:
         if warn:
             logger.warning(
                 "resume_from_checkpoint=%s has no %s (saved by an older pair_dpo_trainer or another trainer): its "
-                "completeness and data cannot be checked; resuming as asked.",
+                "completeness, file hashes and data cannot be checked; resuming as asked once its pickles are "
+                "scanned for code.",
                 path,
                 MANIFEST_FILENAME,
             )

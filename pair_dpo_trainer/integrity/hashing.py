@@ -330,3 +330,30 @@ def digest_per_record(path: str | os.PathLike[str], record: Any, *, threads: int
     if not is_digest_record(record):
         raise ValueError(f"not a {CHUNKED_FORMAT} digest record: {record!r}")
     return chunked_file_digest(path, chunk_bytes=record["chunk_bytes"], threads=threads)
+
+
+def sha256_files(root: str | os.PathLike[str], names: Sequence[str], *, threads: int | None = None) -> dict[str, str]:
+    """The SHA-256 (lowercase hex) of each file ``root/name``, hashed in parallel threads (each file read once).
+
+    Args:
+        root: The directory the names are relative to.
+        names: Relative paths of regular files.
+        threads: Worker threads; ``None`` picks ``default_threads``.
+
+    Returns:
+        ``name -> hex digest`` for every name.
+
+    Raises:
+        SnapshotIntegrityError: ``file_missing`` or ``unreadable_file`` (the name is the error's ``path``).
+    """
+    base = Path(root)
+    jobs = [HashJob(rel=name, path=base / name, kind="lfs", expected=None, size=_size(base / name)) for name in names]
+    digests = verify_hashes(jobs, threads=threads)
+    return {job.rel: digest for job, (digest, _) in zip(jobs, digests, strict=True)}
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0  # reported by the hash itself (file_missing / unreadable_file)
