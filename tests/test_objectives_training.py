@@ -196,6 +196,13 @@ def test_bco_resume_without_its_state_is_refused(tmp_path):
     other = _trainer(tmp_path / "a", pairs, loss_type="sigmoid", max_steps=2, save_strategy="steps", save_steps=2)
     other.train()
     resumed = _trainer(tmp_path / "a", pairs, loss_type="bco_pair_shift", max_steps=3, save_strategy="no")
+    with pytest.raises(PairDPOError) as info:  # the recorded objective differs: refused before anything loads
+        resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
+    assert info.value.reason_code == "resume_objective_mismatch" and "loss_type" in str(info.value)
+    resumed = _trainer(  # accepted anyway: BCO still needs its running reward mean
+        tmp_path / "a", pairs, loss_type="bco_pair_shift", max_steps=3, save_strategy="no",
+        allow_resume_data_mismatch=True,
+    )  # fmt: skip
     with pytest.raises(PairDPOError) as info:
         resumed.train(resume_from_checkpoint=str(tmp_path / "a" / "out" / "checkpoint-2"))
     assert info.value.reason_code == "objective_state_missing" and "loss_type" in str(info.value)
@@ -263,6 +270,12 @@ def test_tr_dpo_resume_checks_the_synced_weights_not_the_snapshot(tmp_path):
     assert record.param_digest != snapshot.param_digest and record.manifest_digest == snapshot.manifest_digest
 
     without_sync = _trainer(tmp_path, pairs, max_steps=3, save_strategy="no", learning_rate=5e-2)
+    with pytest.raises(PairDPOError) as info:  # sync_ref_model is part of the recorded objective
+        without_sync.train(resume_from_checkpoint=str(checkpoint))
+    assert info.value.reason_code == "resume_objective_mismatch" and "sync_ref_model" in str(info.value)
+    without_sync = _trainer(  # accepted anyway: the reference gate still sees a synced reference
+        tmp_path, pairs, max_steps=3, save_strategy="no", learning_rate=5e-2, allow_resume_data_mismatch=True
+    )
     with pytest.raises(PairDPOError) as info:
         without_sync.train(resume_from_checkpoint=str(checkpoint))
     assert info.value.reason_code == "reference_changed" and "TR-DPO" in str(info.value)
