@@ -22,6 +22,7 @@ from pair_dpo_trainer.demo.build import download_metadata_files
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 from pair_dpo_trainer.integrity import pin_snapshot
 from pair_dpo_trainer.integrity.weights import DTYPE_BITS, header_problem, read_head
+from tests.test_user_errors import _script_env, _train_command
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = "model.safetensors"
@@ -201,21 +202,14 @@ def test_pin_refuses_a_broken_shard_listed_in_the_index(tmp_path):
 
 def test_train_script_refuses_broken_reference_weights_before_loading_them(tmp_path):
     snapshot = _snapshot_with_weights(tmp_path, b"")
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "HOME": str(tmp_path),
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONPATH": str(ROOT),
-    }
     argv = [
         *("--model_name_or_path", str(snapshot), "--dataset", str(bundled_pairs_path())),
         *("--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--max_steps", "1"),
         *("--ref_model_revision", DEMO_REVISION, "--report_to", "none"),
     ]
-    command = [sys.executable, str(ROOT / "train.py"), *argv]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    done = subprocess.run(
+        _train_command(*argv), capture_output=True, text=True, timeout=300, env=_script_env(tmp_path), cwd=tmp_path
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "[bad_weights]" in done.stderr and WEIGHTS in done.stderr
     assert "SafetensorError" not in done.stderr and "Loading weights" not in done.stderr
