@@ -150,7 +150,10 @@ def test_a_past_deadline_skips_every_run_and_still_reports(tmp_path, monkeypatch
 
 
 # --------------------------------------------------------------------------------------------- speed / memory suites
-NEW_SUITES = ("h200-speed-qwen", "h200-speed-8b", "h200-speed-8b-trl", "h200-alloc", "h200-gpu-tests")
+NEW_SUITES = (
+    "h200-speed-qwen", "h200-speed-8b", "h200-speed-8b-checkpointing", "h200-speed-8b-lora", "h200-alloc",
+    "h200-gpu-tests",
+)  # fmt: skip
 
 
 def _parsed(name: str) -> dict[str, tuple[Run, object]]:
@@ -180,20 +183,22 @@ def test_qwen_suite_runs_ours_with_ceiling_profile_and_fp8_then_trl_with_and_wit
     assert wanted <= set(SUITES["h200-speed-qwen"].ratios)
 
 
-def test_8b_suite_covers_every_checkpointing_setting_fp8_lora_and_trl():
+def test_8b_suites_cover_auto_fp8_the_fixed_settings_lora_and_trl():
     runs = _parsed("h200-speed-8b")
-    modes = {args.activation_checkpointing for run_, args in runs.values() if run_.tool == "ours"}
-    assert {"off", "layers:2", "selective", "full", "auto"} <= modes
-    auto = next(args for _, args in runs.values() if args.activation_checkpointing == "auto" and not args.fp8)
-    assert auto.max_tokens_per_microbatch == 16384
-    assert runs["ours_8b_fp8"][1].fp8 == "tensorwise" and runs["ours_8b_lora16"][1].lora == 16
-    gc_liger, lora_gc = runs["trl_8b_gc_liger"][1], runs["trl_8b_lora16_gc"][1]
-    assert gc_liger.gradient_checkpointing and gc_liger.liger and gc_liger.lora is None
-    assert lora_gc.gradient_checkpointing and lora_gc.lora == 16
-    wanted = {("ours_8b_l2", "trl_8b_gc_liger"), ("ours_8b_lora16", "trl_8b_lora16_gc"), ("ours_8b_fp8", "ours_8b_l2")}
+    assert [args.activation_checkpointing for run_, args in runs.values() if run_.tool == "ours"] == ["auto", "auto"]
+    fixed = [args.activation_checkpointing for _, args in _parsed("h200-speed-8b-checkpointing").values()]
+    assert fixed[0] == "auto" and {"off", "layers:2", "full"} <= set(fixed)
+    auto, fp8 = runs["ours_8b_auto"][1], runs["ours_8b_fp8"][1]
+    assert auto.max_tokens_per_microbatch == fp8.max_tokens_per_microbatch == 12288 and not auto.fp8
+    assert fp8.fp8 == "tensorwise"
+    gc, gc_liger = runs["trl_8b_gc"][1], runs["trl_8b_gc_liger"][1]
+    assert gc.gradient_checkpointing and not gc.liger and gc_liger.gradient_checkpointing and gc_liger.liger
+    wanted = {("ours_8b_auto", "trl_8b_gc"), ("ours_8b_fp8", "ours_8b_auto"), ("ours_8b_auto", "trl_8b_gc_liger")}
     assert wanted <= set(SUITES["h200-speed-8b"].ratios)
-    peers = {r.tag: r for r in SUITES["h200-speed-8b-trl"].runs}
-    assert all(peers[t] == r for t, (r, _) in runs.items() if t in peers)  # the same runs, not a variant
+    lora = _parsed("h200-speed-8b-lora")
+    ours_lora, trl_lora = lora["ours_8b_lora16"][1], lora["trl_8b_lora16_gc"][1]
+    assert ours_lora.lora == 16 and ours_lora.compile and trl_lora.lora == 16 and trl_lora.gradient_checkpointing
+    assert ("ours_8b_lora16", "trl_8b_lora16_gc") in SUITES["h200-speed-8b-lora"].ratios
 
 
 def test_alloc_suite_uses_the_library_api_without_the_allocator_variable_then_the_gpu_tests():
