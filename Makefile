@@ -12,7 +12,7 @@ install:
 	pip install torch==2.13.0 -e ".[test]"
 
 test:
-	$(PYTHON) -m pytest
+	$(PYTHON) -m pytest -n 2 --dist loadfile
 
 lint:
 	ruff check .
