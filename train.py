@@ -46,6 +46,9 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "seed": 0,
 }
+NO_EVAL_DEMO_DEFAULTS = {**DEMO_DEFAULTS, "eval_strategy": "no", "eval_on_start": False}
+"""The demo's defaults with ``--eval_size 0``: no eval pairs, so the demo's evaluation defaults fall away with them (an
+evaluation asked for explicitly is refused: ``no_eval_dataset``)."""
 LIST_FLAGS = ("--loss_type", "--loss_weights")
 """Flags whose value may also be written comma-separated (``--loss_weights 0.8,0.2,1``): split into separate values
 before the argument parser converts each one."""
@@ -110,16 +113,23 @@ def parse_args(argv: list[str]) -> tuple[Any, Any, Any]:
     reject_unsupported_options(given, where="train.py", known=known)
     if file_values is not None:
         demo = _is_demo(file_values.get("model_name_or_path"), file_values.get("dataset"))
-        values = {**DEMO_DEFAULTS, **file_values} if demo else file_values
+        defaults = _demo_defaults(file_values.get("eval_size"))
+        values = {**defaults, **file_values} if demo else file_values
         parsed = _with_demo_paths(parser.parse_dict(_as_flag_types(parser, values)), demo)
     else:
         namespace, _ = parser.parse_known_args(argv)
         demo = _is_demo(namespace.model_name_or_path, namespace.dataset)
+        defaults = _demo_defaults(namespace.eval_size)
         if demo:
-            parser.set_defaults(**DEMO_DEFAULTS)
+            parser.set_defaults(**defaults)
         parsed = _with_demo_paths(parser.parse_args_into_dataclasses(argv), demo)
-    parsed[2].mark_options_given([*given, *(DEMO_DEFAULTS if demo else ())])
+    parsed[2].mark_options_given([*given, *(defaults if demo else ())])
     return parsed
+
+
+def _demo_defaults(eval_size: Any) -> dict[str, Any]:
+    """:data:`DEMO_DEFAULTS`, or :data:`NO_EVAL_DEMO_DEFAULTS` when ``--eval_size`` is 0."""
+    return NO_EVAL_DEMO_DEFAULTS if eval_size is not None and int(eval_size) == 0 else DEMO_DEFAULTS
 
 
 def _split_list_flags(argv: list[str]) -> list[str]:

@@ -79,7 +79,7 @@ from pair_dpo_trainer.training.resume_settings import (
     keep_configured_learning_rates,
     resume_settings,
 )
-from pair_dpo_trainer.training.schedule import check_train_rows, train_sampler
+from pair_dpo_trainer.training.schedule import check_eval_requested, check_train_rows, train_sampler
 from pair_dpo_trainer.training.summary import RunFacts, announce_node, announce_run, precision_summary
 
 logger = logging.getLogger(__name__)
@@ -573,12 +573,14 @@ class PairDPOTrainer(Trainer):
 
 
 def _check_before_loading(model: Any, args: PairDPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
-    """What needs no model: a prepared dataset's limits replace default ones (the user set neither), the policy path
-    exists, and the train rows fill one step (``too_few_pairs`` from the row count)."""
+    """What needs no model: a prepared dataset's limits replace default ones (the user set neither), an evaluation
+    asked of ``train()`` has an eval dataset (``no_eval_dataset``, an option problem: before any path is looked at),
+    the policy path exists, and the train rows fill one step (``too_few_pairs`` from the row count)."""
     limits = prepared_limits([train_dataset, eval_dataset])
     if limits is not None and not args.limits_given():
         args.max_length, args.max_prompt_length = limits
         logger.info("max_length=%d, max_prompt_length=%d: the prepared dataset's limits", *limits)
+    check_eval_requested(eval_dataset, eval_strategy=args.eval_strategy, eval_on_start=args.eval_on_start)
     if isinstance(model, (str, Path)):  # named first: a mistyped path is not reported as too few pairs
         require_model_directory(str(model), role="policy", option="model", code="model_not_found")
     check_train_rows(train_dataset, args)

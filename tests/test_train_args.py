@@ -81,6 +81,21 @@ def test_the_demo_applies_its_settings_under_the_options_given():
         assert getattr(config, name) == train.DEMO_DEFAULTS[name], name
 
 
+@pytest.mark.parametrize("form", ["flags", "yaml"])
+def test_the_demo_without_eval_pairs_drops_its_evaluation_defaults_but_keeps_an_asked_evaluation(tmp_path, form):
+    def parsed(**values):
+        if form == "flags":
+            return train.parse_args(_flags({"use_cpu": True, **values}))[2]
+        (tmp_path / "run.yaml").write_text(yaml.safe_dump({"use_cpu": True, **values}))
+        return train.parse_args([str(tmp_path / "run.yaml")])[2]
+
+    config = parsed(eval_size=0)
+    assert (str(config.eval_strategy.value), config.eval_on_start) == ("no", False)
+    assert str(parsed(eval_size=10).eval_strategy.value) == train.DEMO_DEFAULTS["eval_strategy"]
+    asked = parsed(eval_size=0, eval_strategy="steps")  # the trainer refuses it: no_eval_dataset
+    assert str(asked.eval_strategy.value) == "steps" and "eval_strategy" in asked.options_given
+
+
 @pytest.mark.parametrize("given", ["--model_name_or_path", "--dataset"])
 def test_only_one_of_model_and_dataset_is_an_error(given):
     with pytest.raises(ConfigError) as info:

@@ -61,6 +61,22 @@ def test_step0_loss_is_ln2_when_reference_equals_policy(tmp_path):
         assert f"eval_{key}" in metrics
 
 
+@pytest.mark.parametrize(
+    "options,named", [({"eval_on_start": True}, "eval_on_start=True"), ({"eval_strategy": "steps"}, "'steps'")]
+)
+def test_an_evaluation_during_train_without_an_eval_dataset_is_refused_before_the_model_loads(tmp_path, options, named):
+    from pair_dpo_trainer.errors import ConfigError
+
+    missing = str(tmp_path / "no_such_model")  # model_not_found would come next: the option problem is first
+    with pytest.raises(ConfigError) as info:
+        PairDPOTrainer(
+            model=missing, args=cpu_config(tmp_path, **options), train_dataset=synthetic_pairs(20), eval_dataset=None
+        )
+    assert info.value.reason_code == "no_eval_dataset" and named in str(info.value)
+    trainer = _trainer(tmp_path, synthetic_pairs(20))  # the same options with eval pairs build and train
+    assert trainer.eval_dataset is not None
+
+
 def test_reference_free_builds_no_reference_and_matches_padded_formula(tmp_path):
     pairs = synthetic_pairs(20, seed=3)
     trainer = _trainer(tmp_path, pairs, reference_free=True, beta=0.5)

@@ -297,6 +297,21 @@ def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceba
     assert debug.returncode == 1 and "Traceback" in debug.stderr and "[model_not_found]" in debug.stderr
 
 
+@pytest.mark.slow  # two train.py runs on the demo (~25 s)
+def test_the_demo_with_no_eval_pairs_trains_and_saves_and_an_asked_evaluation_is_refused_before_training(tmp_path):
+    done = _train_script(tmp_path, "--eval_size", "0", "--eval_strategy", "no", "--max_steps", "2", "--use_cpu", "true",
+                         "--output_dir", str(tmp_path / "no_eval"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "no_eval" / "model.safetensors").is_file() and (tmp_path / "no_eval" / "checkpoint-2").is_dir()
+    state = json.loads((tmp_path / "no_eval" / "trainer_state.json").read_text())
+    assert not any(key.startswith("eval_") for entry in state["log_history"] for key in entry)
+    asked = _train_script(tmp_path, "--eval_size", "0", "--eval_on_start", "true", "--max_steps", "2", "--use_cpu",
+                          "true", "--output_dir", str(tmp_path / "asked"))  # fmt: skip
+    assert asked.returncode == 1
+    assert "train.py: error: [no_eval_dataset] eval_on_start=True evaluates during train()" in asked.stderr
+    assert not (tmp_path / "asked" / "checkpoint-2").exists()
+
+
 def test_the_cli_prints_a_reason_coded_error_as_one_message(capsys):
     from pair_dpo_trainer.cli import report_errors
 

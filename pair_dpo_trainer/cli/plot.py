@@ -44,7 +44,8 @@ def plot_training_curves(log_history: list[dict], path: str | Path) -> Path:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[0]:  # a run too short to log a metric has nothing to label
+            ax.legend()
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)

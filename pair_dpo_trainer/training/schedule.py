@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.planner import check_enough_pairs
 
@@ -43,3 +44,27 @@ def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
     check_enough_pairs(
         len(dataset), world_size=args.world_size, pairs_per_rank=args.pairs_per_rank_per_step, rows="rows"
     )
+
+
+def check_eval_requested(eval_dataset: Any, *, eval_strategy: Any, eval_on_start: bool) -> None:
+    """Raises ``no_eval_dataset`` when ``train()`` is set to evaluate (``eval_strategy`` other than ``no``, or
+    ``eval_on_start``) and there is no eval dataset: checked when the trainer is built, before anything loads, instead
+    of the Trainer's plain ``ValueError`` (``eval_strategy``) or a crash at step 0 (``eval_on_start``, unchecked).
+
+    Example:
+        >>> check_eval_requested(None, eval_strategy="no", eval_on_start=False)
+        >>> check_eval_requested(None, eval_strategy="no", eval_on_start=True)
+        Traceback (most recent call last):
+        ...
+        pair_dpo_trainer.errors.ConfigError: [no_eval_dataset] eval_on_start=True evaluates during train(), ...
+    """
+    strategy = str(getattr(eval_strategy, "value", eval_strategy))
+    asked = [f"eval_strategy={strategy!r}"] if strategy != "no" else []
+    asked += ["eval_on_start=True"] if eval_on_start else []
+    if eval_dataset is None and asked:
+        raise ConfigError(
+            "no_eval_dataset",
+            f"{' and '.join(asked)} evaluates during train(), but no eval_dataset was given: pass eval_dataset "
+            "(train.py: --eval_size N > 0, or a prepared directory with eval pairs), or set eval_strategy='no' and "
+            "eval_on_start=False.",
+        )
