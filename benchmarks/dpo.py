@@ -600,11 +600,14 @@ def write_profile(ctx: dict[str, Any], probe: Probe) -> dict[str, Any]:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile_summary{suffix}.txt").write_text(text)
     breakdown = profile_summary.host_breakdown(probe.events)
+    gaps = profile_summary.idle_gaps(probe.events) if ctx["cuda"] else None
     return {
         "profile_step_ms": round(breakdown["step_ms"], 3),
         "profile_host_ms": {r["region"]: round(r["host_ms"], 3) for r in breakdown["rows"]},
         "profile_kernel_ms": round(breakdown["kernel_ms"], 3) if ctx["cuda"] else None,
         "profile_gpu_busy_ms": round(breakdown["busy_ms"], 3) if ctx["cuda"] else None,
+        "profile_idle_ms": round(gaps["idle_ms"], 3) if gaps else None,
+        "profile_idle_by_region_ms": {r: round(ms, 3) for r, ms in gaps["by_region"].items()} if gaps else None,
     }
 
 

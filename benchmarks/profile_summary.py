@@ -222,17 +222,18 @@ REGION_NOTES = {
 
 def _union_us(intervals: Iterable[tuple[float, float]]) -> float:
     """Total length of the union of ``(start, end)`` intervals."""
-    total, cur_start, cur_end = 0.0, None, None
+    return sum(end - start for start, end in _merged(intervals))
+
+
+def _merged(intervals: Iterable[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of ``(start, end)`` intervals as disjoint intervals, by start."""
+    merged: list[list[float]] = []
     for start, end in sorted(intervals):
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
 
 
 def host_ranges(events: Iterable[Any]) -> list[tuple[str, float, float]]:
@@ -255,6 +256,18 @@ def device_activity(events: Iterable[Any]) -> list[tuple[float, float]]:
         and not e.name.startswith(BREAKDOWN_PREFIXES)
         and not e.name.startswith("ProfilerStep")
     ]
+
+
+def backward_ranges(ranges: Sequence[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """``(BACKWARD, start, end)`` of each micro-batch: from its last ``pair_dpo::loss`` range to its end."""
+    found = []
+    for name, mb_start, mb_end in ranges:
+        if name not in MICROBATCH_REGIONS:
+            continue
+        loss_ends = [e for n, s, e in ranges if n == LOSS_REGION and mb_start <= s <= mb_end]
+        if loss_ends:
+            found.append((BACKWARD, max(loss_ends), mb_end))
+    return found
 
 
 def host_breakdown(events: Sequence[Any]) -> dict[str, Any]:
@@ -282,15 +295,11 @@ def host_breakdown(events: Sequence[Any]) -> dict[str, Any]:
         row[1] += end - start
         if name not in CONTAINER_REGIONS:
             leaf_intervals.append((start, end))
-    for name, mb_start, mb_end in ranges:
-        if name not in MICROBATCH_REGIONS:
-            continue
-        loss_ends = [e for n, s, e in ranges if n == LOSS_REGION and mb_start <= s <= mb_end]
-        if loss_ends:
-            row = totals.setdefault(BACKWARD, [0, 0.0])
-            row[0] += 1
-            row[1] += mb_end - max(loss_ends)
-            leaf_intervals.append((max(loss_ends), mb_end))
+    for _, start, end in backward_ranges(ranges):
+        row = totals.setdefault(BACKWARD, [0, 0.0])
+        row[0] += 1
+        row[1] += end - start
+        leaf_intervals.append((start, end))
     n = len(steps)
     step_us = sum(e - s for s, e in steps)
     other_us = step_us - _union_us(leaf_intervals)
@@ -312,6 +321,80 @@ def host_breakdown(events: Sequence[Any]) -> dict[str, Any]:
         "busy_ms": _union_us(device) / 1e3 / n,
         "kernels": len(device),
     }
+
+
+GAP_US = 100.0
+"""A device idle period this long or longer counts as a gap in :func:`idle_gaps` (shorter ones are launch spacing)."""
+
+
+def _innermost(ranges: Sequence[tuple[str, float, float]], time_us: float, default: str) -> str:
+    """The name of the latest-starting range that contains ``time_us`` (the innermost of nested ranges)."""
+    inside = [(start, name) for name, start, end in ranges if start <= time_us <= end]
+    return max(inside)[1] if inside else default
+
+
+def idle_gaps(events: Sequence[Any], limit: int = 5) -> dict[str, Any]:
+    """Where the device idles inside the profiled steps, and what the host was doing meanwhile.
+
+    Every period of at least :data:`GAP_US` between the device's busy intervals (the step's start and end included)
+    is charged to the host region (:data:`BREAKDOWN_PREFIXES`, the innermost, else :data:`OTHER`) and the innermost
+    host op running at its midpoint: on a step bound by the host, that is the work the device waits for; a long gap
+    under a synchronising op is a wait instead.
+
+    Returns:
+        ``{"idle_ms": idle ms per step, "gaps": gaps per step, "by_region": {region: ms per step}, "longest":
+        [{"ms", "region", "op"}]}`` (the ``limit`` longest gaps); zeros when the trace has no ``bench::step``.
+    """
+    ranges = host_ranges(events)
+    steps = [(s, e) for n, s, e in ranges if n == STEP_REGION]
+    if not steps:
+        return {"idle_ms": 0.0, "gaps": 0, "by_region": {}, "longest": []}
+    leaves = [r for r in ranges if r[0] not in CONTAINER_REGIONS] + backward_ranges(ranges)
+    ops = [(e.name, _start(e), _end(e)) for e in events if not _on_device(e) and not _is_python(e)]
+    ops = [r for r in ops if not r[0].startswith(BREAKDOWN_PREFIXES) and not r[0].startswith("ProfilerStep")]
+    busy = _merged(device_activity(events))
+    gaps: list[tuple[float, float]] = []
+    for step_start, step_end in steps:
+        cursor = step_start
+        for start, end in busy:
+            if end <= step_start or start >= step_end:
+                continue
+            if start - cursor >= GAP_US:
+                gaps.append((cursor, start))
+            cursor = max(cursor, end)
+        if step_end - cursor >= GAP_US:
+            gaps.append((cursor, step_end))
+    by_region: dict[str, float] = {}
+    charged = []
+    for start, end in gaps:
+        middle = (start + end) / 2
+        region = _innermost(leaves, middle, OTHER)
+        by_region[region] = by_region.get(region, 0.0) + (end - start) / 1e3 / len(steps)
+        charged.append((end - start, region, start, middle))
+    longest = [
+        {"ms": length / 1e3, "region": region, "op": _innermost(ops, middle, "(no host op)")}
+        for length, region, _, middle in sorted(charged, reverse=True)[:limit]
+    ]
+    return {
+        "idle_ms": sum(end - start for start, end in gaps) / 1e3 / len(steps),
+        "gaps": len(gaps) // len(steps),
+        "by_region": dict(sorted(by_region.items(), key=lambda item: -item[1])),
+        "longest": longest,
+    }
+
+
+def format_gaps(gaps: dict[str, Any]) -> list[str]:
+    """The text lines of :func:`idle_gaps`."""
+    if not gaps["gaps"]:
+        return [f"Device idle gaps >= {GAP_US:.0f} us per step: none."]
+    lines = [
+        f"Device idle gaps >= {GAP_US:.0f} us per step: {gaps['gaps']}, {gaps['idle_ms']:.3f} ms; by the host region "
+        "running meanwhile:"
+    ]
+    lines += [f"  {region:28s} {ms:10.3f} ms" for region, ms in gaps["by_region"].items()]
+    lines.append("Longest gaps (ms | host region | innermost host op at the gap's middle):")
+    lines += [f"  {g['ms']:8.3f} | {g['region']} | {g['op']}" for g in gaps["longest"]]
+    return lines
 
 
 def format_breakdown(breakdown: dict[str, Any], use_device: bool) -> list[str]:
@@ -359,4 +442,6 @@ def format_summary(events: Sequence[Any], use_device: bool, title: str = "") -> 
             f"  {row['name'][:48]:48s} {row['calls']:7d} {row['self_dev_ms']:13.3f} {row['self_cpu_ms']:12.3f}"
         )
     lines += format_breakdown(host_breakdown(events), use_device)
+    if use_device:
+        lines += format_gaps(idle_gaps(events))
     return "\n".join(lines) + "\n"

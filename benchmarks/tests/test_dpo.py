@@ -209,6 +209,33 @@ def test_host_breakdown_regions_backward_other_and_gpu_busy():
     assert "launch/host-bound" in text and "GPU busy (union) 0.018 ms" in text
 
 
+def test_idle_gaps_charge_each_device_gap_to_the_host_region_and_op_running_meanwhile():
+    events = [
+        _Event("bench::step", 0, 1000),
+        _Event("bench::microbatch", 0, 800),
+        _Event("pair_dpo::policy_logps", 0, 300),
+        _Event("aten::mm", 120, 290),  # the host op during the first gap
+        _Event("pair_dpo::loss", 300, 310),
+        _Event("autograd::engine::evaluate_function: MmBackward0", 400, 700),
+        _Event("hf::clip_grad_norm", 800, 1000),
+        _Event("kernel_a", 0, 100, device=True),
+        _Event("kernel_b", 90, 110, device=True),  # overlaps a: one busy interval 0-110
+        _Event("kernel_c", 300, 350, device=True),  # gap 110-300 (190 us) under policy_logps / aten::mm
+        _Event("kernel_d", 400, 450, device=True),  # gap 350-400 (50 us): launch spacing, not counted
+        _Event("kernel_e", 800, 950, device=True),  # gap 450-800 (350 us) in backward; then 950-1000 (50 us)
+    ]
+    gaps = profile_summary.idle_gaps(events)
+    assert gaps["gaps"] == 2 and gaps["idle_ms"] * 1e3 == pytest.approx(540)
+    by_region = {r: ms * 1e3 for r, ms in gaps["by_region"].items()}
+    assert by_region == pytest.approx({"backward (derived)": 350, "pair_dpo::policy_logps": 190})
+    first, second = gaps["longest"]
+    assert first["ms"] * 1e3 == pytest.approx(350) and first["op"].startswith("autograd::engine")
+    assert second["ms"] * 1e3 == pytest.approx(190) and second["op"] == "aten::mm"
+    text = "\n".join(profile_summary.format_gaps(gaps))
+    assert "per step: 2, 0.540 ms" in text and "aten::mm" in text
+    assert profile_summary.idle_gaps([_Event("kernel", 0, 5, device=True)])["gaps"] == 0  # no step range
+
+
 def test_bench_report_per_gpu_ratio_averages_ranks(tmp_path):
     rows = [
         {"tag": "z3", "impl": "pair_dpo", "rank": 0, "real_tok_s_gpu": 10.0},
