@@ -26,11 +26,12 @@ TRL_B8 = ("--model-size", "8b", "--no_cudnn_sdp", "--warmup", "2", "--steps", "4
 GPU_TESTS = Run(
     "gpu_tests",
     "pytest",
-    ("-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/"),
+    ("-v", "--tb=short", "-p", "no:cacheprovider", "-m", "gpu", "tests/"),
     timeout_s=180,
     log="gpu_tests.log",
 )
-"""Every GPU test of the repository (``-m gpu``; the 2-GPU ones skip on one GPU)."""
+"""Every GPU test of the repository (``-m gpu``; the 2-GPU ones skip on one GPU). ``-v`` prints each test's name and
+outcome as it ends, so a run cut by its suite's deadline still says which test failed."""
 
 
 def speed_qwen() -> Suite:
@@ -182,10 +183,10 @@ def alloc() -> Suite:
 
 
 def gpu_tests() -> Suite:
-    """``h200-gpu-tests``: ``pytest -q -m gpu tests/`` alone (<= 3 minutes)."""
+    """``h200-gpu-tests``: ``pytest -v -m gpu tests/`` alone (<= 3 minutes)."""
     return Suite(
         name="h200-gpu-tests",
-        summary="1x H200: every GPU test of the repository (pytest -q -m gpu tests/), under 3 minutes",
+        summary="1x H200: every GPU test of the repository (pytest -v -m gpu tests/), under 3 minutes",
         gpus=1,
         deadline_s=200,
         env=ONE_GPU,
