@@ -14,6 +14,7 @@ from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
+from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.training.checks import run_problems
 from pair_dpo_trainer.training.memory_fit import MemoryFit, choose_checkpointing, most_conservative
 from tests.dpo_fixtures import cpu_config, run_setup, synthetic_pairs
@@ -149,6 +150,46 @@ def test_auto_keeps_the_cheapest_mode_whose_measured_peak_fits():
     fit = choose_checkpointing(model, hopeless.probe, hopeless, pending_bytes=0, tokens=96)
     assert fit.mode == "full" and not fit.fits and "does not fit" in fit.describe()
     assert model.model.layers[1]._pair_dpo_checkpoint  # left marked with the choice
+
+
+@pytest.mark.parametrize("room", ["compiled_off_fits", "only_the_eager_choice_fits"])
+def test_auto_under_compile_measures_the_cheaper_modes_again_through_the_compiled_layers(tmp_path, monkeypatch, room):
+    """The eager probe rejects "off"; once the layers are compiled they save less (inductor's partitioner), so
+    "off" is measured again and kept when its compiled peak fits, else the eager choice stays."""
+    from pair_dpo_trainer.training import layers as training_layers
+
+    torch.manual_seed(0)
+    ids = torch.randint(4, 64, (1, 96))
+    eager_off, _ = _saved_bytes(tiny_llama(0), ids)
+    compiled = tiny_llama(0)
+    compile_decoder_layers(compiled, backend="aot_eager")
+    compiled_off, _ = _saved_bytes(compiled, ids)
+    assert compiled_off < eager_off  # what the re-measurement is for
+    limit = (compiled_off + eager_off) // 2 if room == "compiled_off_fits" else compiled_off - 1
+    model = tiny_llama(0)
+    meter = _Meter(model, ids, limit=limit)
+    monkeypatch.setattr(training_layers, "CudaPeakMeter", lambda _device: meter)
+    args = cpu_config(
+        tmp_path,
+        activation_checkpointing_mode="auto",
+        max_tokens_per_microbatch=96,
+        gradient_accumulation_steps=1,
+        torch_compile=True,
+        torch_compile_backend="aot_eager",
+    )
+    monkeypatch.setattr(training_layers, "optimizer_state_bytes", lambda _model: 0)
+    plan = training_layers.prepare_layers(model, None, args, probe=meter.probe, training=True)
+    assert meter.tried[0] == eager_off > limit  # eager "off" rejected, then the eager choice ...
+    assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in model.model.layers)
+    if room == "compiled_off_fits":
+        assert meter.tried[-1] == compiled_off  # ... and "off" again, through the compiled layers
+        assert plan.checkpointing == "off" and plan.fit.compiled and plan.fit.fits
+        assert "auto -> off" in plan.describe() and "compiled layers" in plan.describe()
+        assert not any(layer._pair_dpo_checkpoint for layer in model.model.layers)
+    else:
+        assert meter.tried[-1] == compiled_off and plan.checkpointing == "selective" and not plan.fit.compiled
+        assert all(layer._pair_dpo_checkpoint for layer in model.model.layers)  # left marked with the choice
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_ranks_agree_on_the_most_recompute_and_the_summary_names_the_choice():

@@ -8,8 +8,8 @@ log-probs, so the sigmoid loss is exactly ln 2); it is never checkpointed (it ru
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import TrainerCallback
@@ -23,6 +23,7 @@ from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, p
 from pair_dpo_trainer.modeling.logprobs import compile_head_kernels, packed_policy_logps
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
+    CANDIDATES,
     CudaPeakMeter,
     MemoryFit,
     choose_checkpointing,
@@ -102,10 +103,25 @@ def prepare_layers(
         compile_decoder_layers(policy, backend=backend, mode=compile_mode)
         if reference_model is not None:
             compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
+        if fit is not None and fit.mode != CANDIDATES[0]:
+            fit = _measure_compiled(policy, probe, args, fit)
+            mode = fit.mode
     return LayerPlan(args.fp8, count_fp8_layers(policy), mode, fit, bool(args.activation_offload))
 
 
-def _measure(policy: torch.nn.Module, probe: Callable[[], None] | None, args: PairDPOConfig) -> MemoryFit:
+COMPILED_TRIES = 3
+"""At most this many modes cheaper than the eager choice are measured again through the compiled layers: each one
+is a compiled graph of the layer, and Dynamo keeps eight per function (the reference's and evaluation's graphs and
+the chosen mode's must still fit)."""
+
+
+def _measure(
+    policy: torch.nn.Module,
+    probe: Callable[[], None] | None,
+    args: PairDPOConfig,
+    candidates: Sequence[str] = CANDIDATES,
+) -> MemoryFit:
+    """The first of ``candidates`` that fits on every rank (the most recompute any rank needs)."""
     assert probe is not None and args.max_tokens_per_microbatch is not None  # run_problems refuses otherwise
     fit = choose_checkpointing(
         policy,
@@ -113,11 +129,35 @@ def _measure(policy: torch.nn.Module, probe: Callable[[], None] | None, args: Pa
         CudaPeakMeter(torch.device(args.device)),
         pending_bytes=optimizer_state_bytes(policy),
         tokens=args.max_tokens_per_microbatch,
+        candidates=candidates,
     )
-    agreed = most_conservative(all_gather_cpu(fit.mode)) if args.world_size > 1 else fit.mode
+    return _agreed(policy, fit, args.world_size)
+
+
+def _measure_compiled(
+    policy: torch.nn.Module, probe: Callable[[], None] | None, args: PairDPOConfig, eager: MemoryFit
+) -> MemoryFit:
+    """The eager probe's choice ``eager``, or a cheaper mode that fits once the layers are compiled.
+
+    A compiled layer keeps less for backward than the same layer run eagerly (inductor's partitioner recomputes
+    cheap element-wise results instead of saving them), so a mode the eager probe rejected may fit. The cheaper
+    modes (up to :data:`COMPILED_TRIES`) run the probe again through the compiled layers; each rank falls back to
+    ``eager`` when none fits, and the ranks agree as before.
+    """
+    cheaper = CANDIDATES[: CANDIDATES.index(eager.mode)][:COMPILED_TRIES]
+    compiled = _measure(policy, probe, args, cheaper)
+    chosen = replace(compiled, compiled=True) if compiled.fits else eager
+    chosen = _agreed(policy, chosen, args.world_size)
+    apply_activation_checkpointing(policy, chosen.mode)  # the probe left the last mode it tried marked
+    return chosen
+
+
+def _agreed(policy: torch.nn.Module, fit: MemoryFit, world_size: int) -> MemoryFit:
+    """``fit`` with the mode of the rank that recomputes the most (ranks must checkpoint the same layers)."""
+    agreed = most_conservative(all_gather_cpu(fit.mode)) if world_size > 1 else fit.mode
     if agreed != fit.mode:  # another rank needs more recompute: every rank checkpoints the same layers
         apply_activation_checkpointing(policy, agreed)
-        fit = MemoryFit(agreed, fit.peak_bytes, fit.limit_bytes, fit.fits, fit.tokens)
+        fit = replace(fit, mode=agreed)
     return fit
 
 

@@ -4,6 +4,11 @@ At the start of ``train()`` (the model, reference and data are ready, the optimi
 row of exactly ``max_tokens_per_microbatch`` tokens runs forward and backward through the policy and the reference
 under each candidate, cheapest recompute first, until the measured peak plus the optimizer state still to come fits
 the GPU. Every rank measures and the ranks take the most conservative choice, so they run the same layers.
+
+The probe runs the layers eagerly first (an upper bound on what compiled layers save). With ``torch_compile`` the
+modes cheaper than that choice are measured again once the layers are compiled (``training.layers``): inductor
+recomputes cheap element-wise results instead of saving them, so a compiled layer without checkpointing can fit where
+the eager one did not (an 8B model at 12,288 tokens on one H200, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class MemoryFit:
         limit_bytes: What the probe could use.
         fits: False when even ``full`` did not fit (the run goes on with ``full`` and may run out of memory).
         tokens: The probe row's length (the token budget).
+        compiled: The peak was measured through the compiled layers (a mode the eager probe rejected).
     """
 
     mode: str
@@ -72,11 +78,13 @@ class MemoryFit:
     limit_bytes: int
     fits: bool
     tokens: int
+    compiled: bool = False
 
     def describe(self) -> str:
         """``auto -> layers:2 (peak 101.3 of 125.8 GiB at 16384 tokens)``."""
         peak = "out of memory" if self.peak_bytes == math.inf else f"{self.peak_bytes / 2**30:.1f}"
-        note = "" if self.fits else ", does not fit: expect out-of-memory"
+        note = ", compiled layers" if self.compiled else ""
+        note += "" if self.fits else ", does not fit: expect out-of-memory"
         return f"auto -> {self.mode} (peak {peak} of {self.limit_bytes / 2**30:.1f} GiB at {self.tokens} tokens{note})"
 
 
@@ -97,8 +105,7 @@ def choose_checkpointing(
     limit; ``model`` is left marked with the choice.
 
     Args:
-        model: The policy (not yet compiled: the probe runs eagerly, which saves at least as much as compiled
-            layers do, so the choice errs on the side of memory).
+        model: The policy, its layers eager or compiled (the probe measures whichever runs).
         probe: One forward and backward of the budget-sized row; must leave no gradient behind.
         meter: Where the peak and the limit come from.
         pending_bytes: Memory the run will add later (the optimizer's state before its first step).
