@@ -591,7 +591,11 @@ def write_profile(ctx: dict[str, Any], probe: Probe) -> dict[str, Any]:
     """Writes the sync / top-ops / host-time-by-region summary of the profiled step to stdout and
     ``$OUT/profile_summary.txt``; returns the row fields of the host-time breakdown (``profile_*``)."""
     args = ctx["args"]
-    title = f"== profile of optimizer step {probe.profile_step} (0-based), tag {args.tag}, rank {ctx['rank']} =="
+    tokens = sum(real for step, real, _padded in probe.tokens if step == probe.profile_step)
+    title = (
+        f"== profile of optimizer step {probe.profile_step} (0-based, {tokens} real tokens), tag {args.tag}, "
+        f"rank {ctx['rank']} =="
+    )
     text = profile_summary.format_summary(probe.events, use_device=ctx["cuda"], title=title)
     print(text, flush=True)
     out_dir = os.environ.get("OUT") or (os.path.dirname(args.results) if args.results else None)
@@ -602,6 +606,7 @@ def write_profile(ctx: dict[str, Any], probe: Probe) -> dict[str, Any]:
     breakdown = profile_summary.host_breakdown(probe.events)
     gaps = profile_summary.idle_gaps(probe.events) if ctx["cuda"] else None
     return {
+        "profile_tokens": tokens,  # the profiled step is a warm-up step: its tokens are not in seq_len
         "profile_step_ms": round(breakdown["step_ms"], 3),
         "profile_host_ms": {r["region"]: round(r["host_ms"], 3) for r in breakdown["rows"]},
         "profile_kernel_ms": round(breakdown["kernel_ms"], 3) if ctx["cuda"] else None,

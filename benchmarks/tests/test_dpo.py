@@ -157,6 +157,7 @@ def test_tiny_cpu_compile_run_has_compile_fields_shape_ceiling_and_host_breakdow
     assert "bench::optimizer.step" in host and "other/unattributed" in host
     assert row["profile_step_ms"] == host["bench::step"] > 0 and row["profile_gpu_busy_ms"] is None
     summary = (tmp_path / "profile_summary.txt").read_text()
+    assert 0 < row["profile_tokens"] and f", {row['profile_tokens']} real tokens)" in summary.splitlines()[0]
     assert "Sync candidates inside the micro-batch loop" in summary  # the sync table is still there
     assert "Host wall time per step by region" in summary and "Device time per step: n/a" in summary
 
