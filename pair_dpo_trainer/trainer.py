@@ -333,7 +333,14 @@ class PairDPOTrainer(Trainer):
         if training and self.args.activation_checkpointing_mode == "auto":
             vocab = int(unwrap_model(self.model).get_input_embeddings().weight.shape[0])
             collator = cast(PackedPairCollator, self.data_collator)
-            probe = budget_probe(self.model, self.reference.sequence_logps, collator, self.args, vocab_size=vocab)
+            probe = budget_probe(
+                self.model,
+                self.reference.sequence_logps,
+                collator,
+                self.args,
+                vocab_size=vocab,
+                autocast=self.accelerator.autocast,
+            )
         self.layer_plan = prepare_layers(
             self.model,
             reference.model if reference is not None else None,

@@ -192,6 +192,38 @@ def test_auto_under_compile_measures_the_cheaper_modes_again_through_the_compile
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_the_budget_probe_runs_the_policy_forward_under_the_training_autocast(tmp_path):
+    """A prepared policy's forward runs under accelerate's autocast, so the probe's does too: Dynamo compiles a layer
+    again for another autocast state, and auto would otherwise measure (and compile) a graph training never runs."""
+    from pair_dpo_trainer.modeling import enable_pair_varlen
+    from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
+    from pair_dpo_trainer.training.layers import budget_probe
+
+    policy, reference = tiny_llama(0), tiny_llama(0)
+    for model in (policy, reference):
+        enable_pair_varlen(model, "sdpa_segments")
+    seen = []
+    for layer in (*policy.model.layers, *reference.model.layers):
+        layer.register_forward_hook(lambda module, *_: seen.append((module, torch.is_autocast_enabled("cpu"))))
+    args = cpu_config(
+        tmp_path, max_tokens_per_microbatch=96, max_length=64, max_prompt_length=32, gradient_accumulation_steps=1
+    )
+    probe = budget_probe(
+        policy,
+        lambda batch: packed_sequence_logps(reference, batch),
+        PackedPairCollator(),
+        args,
+        vocab_size=policy.config.vocab_size,
+        autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
+    )
+    probe()
+    policy_layers = set(policy.model.layers)
+    assert [on for module, on in seen if module in policy_layers] == [True, True]
+    assert [on for module, on in seen if module not in policy_layers] == [False, False]  # the reference: no autocast
+    assert "forward" not in policy.__dict__ and not torch.is_autocast_enabled("cpu")  # the policy's own forward again
+    assert policy.model.layers[0].mlp.down_proj.weight.grad is not None
+
+
 def test_ranks_agree_on_the_most_recompute_and_the_summary_names_the_choice():
     assert most_conservative(["off", "layers:2", "selective"]) == "layers:2"
     fit = MemoryFit("layers:2", 101 * 2**30, 125 * 2**30, True, 16384)

@@ -3,12 +3,14 @@ that works: float8 conversion (policy and an in-process reference), then activat
 (``auto`` measured here), then host offload, then regional compile (and the chunked head's element-wise work).
 
 The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
-log-probs, so the sigmoid loss is exactly ln 2); it is never checkpointed (it runs without gradient).
+log-probs, so the sigmoid loss is ln 2, exactly on the CPU and within the GPU float8 forward's run-to-run noise, a few
+1e-5, on an H200); it is never checkpointed (it runs without gradient).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -192,10 +194,18 @@ def budget_probe(
     args: PairDPOConfig,
     *,
     vocab_size: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Callable[[], None]:
     """One forward and backward of a synthetic packed row of exactly ``max_tokens_per_microbatch`` tokens (pairs of
     256-token prompts and completions within the length limits), through the policy's log-prob head and the
-    reference, as a training micro-batch runs them."""
+    reference, as a training micro-batch runs them.
+
+    Args:
+        autocast: The mixed-precision context the prepared policy's ``forward`` will run in (the Accelerator's
+            ``autocast``): the probe runs the policy's forward inside it, so the layers compiled for the probe are
+            the graphs training runs (Dynamo compiles a layer again when the autocast state differs) and the peak
+            measured is theirs.
+    """
     budget = int(args.max_tokens_per_microbatch or 0)
     prompt = min(256, int(args.max_prompt_length or 1), max(1, budget // 4))
     completion = max(1, min(256, args.max_length - prompt))
@@ -212,12 +222,34 @@ def budget_probe(
 
     def probe() -> None:
         policy.train()
-        logps = packed_policy_logps(policy, batch, chunk_size=args.logps_chunk_size).logps
+        with _forward_under(policy, autocast):
+            logps = packed_policy_logps(policy, batch, chunk_size=args.logps_chunk_size).logps
         with torch.no_grad():
             ref = reference_logps(batch)
         (logps - ref).sum().backward()
 
     return probe
+
+
+@contextlib.contextmanager
+def _forward_under(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
+    """``model.forward`` runs inside ``context()`` for the block, as accelerate's mixed precision runs a prepared
+    model's forward (the log-prob head outside it, as in training)."""
+    own = model.__dict__.get("forward")
+    forward = model.forward
+
+    def wrapped(*args, **kwargs):
+        with context():
+            return forward(*args, **kwargs)
+
+    model.forward = wrapped  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is None:
+            del model.forward
+        else:
+            model.forward = own  # type: ignore[method-assign]
 
 
 class Fp8ScaleCallback(TrainerCallback):
