@@ -59,10 +59,9 @@ def test_fp8_compiled_starts_at_ln2_and_trains(tmp_path, recipe, capsys):
     logged = [e["loss"] for e in trainer.state.log_history if "loss" in e]
     with capsys.disabled():  # the values on the log whether the test passes or not
         print(f"\nfp8 {recipe}: losses {logged}, step 0 - ln 2 = {logged[0] - math.log(2):+.2e}")
-    # policy and reference run one recipe at step 0, so the loss is ln 2 up to how reproducible a float8 forward is on
-    # the GPU: the policy's own forward of one micro-batch, run twice, differs by up to 1e-3 in a sequence's summed
-    # log-probs on an H200 (step-0 loss within 3e-5 of ln 2 over runs of both recipes, docs/benchmarks.md). Without
-    # inductor's eager-precision float8 casts the two graphs differ systematically: 1.6e-2. The CPU test asserts 1e-6.
+    # policy and reference run one recipe at step 0, so the loss is ln 2. 2e-4 catches the two graphs rounding the
+    # float8 casts differently (1.6e-2 without inductor's eager-precision casts) and tolerates the run-to-run noise
+    # of the per-sequence sums measured on an H200 (up to 2.7e-5, docs/benchmarks.md); the CPU test asserts 1e-6.
     assert logged[0] == pytest.approx(math.log(2), abs=2e-4)
     assert all(math.isfinite(loss) for loss in logged)
     assert trainer.layer_plan.fp8_layers == 12 * 7

@@ -362,3 +362,21 @@ def test_the_compiled_head_kernels_compute_what_the_eager_ones_do():
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
     for got, expected in zip(compiled[2], eager[2], strict=True):
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
+def test_per_sequence_sums_do_not_depend_on_the_order_tokens_are_added():
+    """CUDA's ``index_add`` adds atomically in an order that varies run to run; the per-sequence log-prob sums must
+    come out the same whatever the order (else policy and reference differ at step 0 and the loss is not ln 2).
+    Checked by adding the same tokens in two orders, against the float64 sum rounded once."""
+    from pair_dpo_trainer.modeling.logprobs import _sequence_sums
+
+    generator = torch.Generator().manual_seed(0)
+    sequences = torch.randint(0, 8, (6000,), generator=generator).sort().values
+    values = -torch.exp(3 * torch.randn(6000, generator=generator))  # log-probs over several orders of magnitude
+    order = torch.randperm(6000, generator=generator)
+    first = _sequence_sums(values, sequences, 8)
+    second = _sequence_sums(values[order], sequences[order], 8)
+    exact = torch.zeros(8, dtype=torch.float64).index_add(0, sequences, values.double()).float()
+    assert first.dtype == torch.float32 and torch.equal(first, second) and torch.equal(first, exact)
+    stats = torch.stack([values, values.square()], dim=1)
+    assert torch.equal(_sequence_sums(stats, sequences, 8), _sequence_sums(stats[order], sequences[order], 8))

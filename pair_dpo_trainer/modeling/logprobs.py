@@ -459,9 +459,16 @@ def _scored_token_logps(
 
 
 def _sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
-    """Per-sequence sums of per-token ``values`` (``[N]`` or ``[N, k]``) with ``index_add`` (no host sync)."""
-    sums = values.new_zeros((num_sequences, *values.shape[1:]))
-    return sums.index_add(0, sequences, values)
+    """Per-sequence sums of per-token ``values`` (``[N]`` or ``[N, k]``, returned in their dtype) with ``index_add``
+    (no host sync), accumulated in float64.
+
+    CUDA's ``index_add`` adds atomically, in an order that varies from run to run. A float32 accumulator would round
+    differently in each order, so a policy and its identical reference would not give the same sums at step 0 (the
+    loss would miss ln 2 by a few 1e-5); float64 partial sums (order error ~1e-16 relative) round to the same float32
+    value in any order, and to the correctly rounded sum.
+    """
+    sums = torch.zeros((num_sequences, *values.shape[1:]), dtype=torch.float64, device=values.device)
+    return sums.index_add(0, sequences, values.to(torch.float64)).to(values.dtype)
 
 
 def packed_sequence_logps(

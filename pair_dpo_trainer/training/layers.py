@@ -3,8 +3,7 @@ that works: float8 conversion (policy and an in-process reference), then activat
 (``auto`` measured here), then host offload, then regional compile (and the chunked head's element-wise work).
 
 The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
-log-probs, so the sigmoid loss is ln 2, exactly on the CPU and within the GPU float8 forward's run-to-run noise, a few
-1e-5, on an H200); it is never checkpointed (it runs without gradient).
+log-probs, so the sigmoid loss is ln 2); it is never checkpointed (it runs without gradient).
 """
 
 from __future__ import annotations
