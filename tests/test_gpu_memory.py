@@ -69,6 +69,34 @@ def test_fp8_compiled_starts_at_ln2_and_trains(tmp_path, recipe, capsys):
     assert f"fp8 {recipe} (84 Linear layers)" in line
 
 
+@pytest.mark.parametrize("recipe", [None, "tensorwise", "rowwise"])
+def test_step0_policy_and_reference_sums_are_bitwise_equal(tmp_path, recipe):
+    """The first micro-batch's per-sequence log-prob sums: the policy's training pass run twice and the reference's
+    pass, all bitwise equal (identical weights, deterministic kernels, sums accumulated in float64 whatever order
+    CUDA's atomic adds take): the step-0 sigmoid loss is then exactly ln 2."""
+    if recipe is not None:
+        pytest.importorskip("torchao.float8")
+    from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
+
+    trainer = _trainer(tmp_path, fp8=recipe, max_steps=1)
+    original, sums = trainer.compute_loss, []
+
+    def first_micro_batch(model, inputs, *args, **kwargs):
+        if not sums:
+            sums.extend(packed_policy_logps(model, inputs).logps.detach() for _ in range(2))
+            sums.append(trainer.reference.sequence_logps(inputs))
+        return original(model, inputs, *args, **kwargs)
+
+    trainer.compute_loss = first_micro_batch
+    trainer.train()
+    first, again, reference = sums
+    print(
+        f"\nfp8={recipe}: max |policy - policy again| {(first - again).abs().max().item():.3e}, "
+        f"max |policy - reference| {(first - reference).abs().max().item():.3e}"
+    )
+    assert torch.equal(first, again) and torch.equal(first, reference)
+
+
 def test_auto_checkpointing_measures_the_budget_and_names_its_choice(tmp_path, capsys):
     trainer = _trainer(
         tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=8192, per_device_train_batch_size=8
