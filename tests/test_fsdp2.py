@@ -392,7 +392,12 @@ def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked
     """The FSDP2 path (chunked log-probs inside the model's own head call) against the default path, unsharded."""
     from pair_dpo_trainer.collators import PackedPairCollator
     from pair_dpo_trainer.modeling.attention import enable_pair_varlen
-    from pair_dpo_trainer.modeling.logprobs import check_supported_head, in_forward_token_logps, packed_sequence_logps
+    from pair_dpo_trainer.modeling.logprobs import (
+        _sequence_sums,
+        check_supported_head,
+        in_forward_token_logps,
+        packed_sequence_logps,
+    )
     from tests.dpo_fixtures import random_features
     from tests.models import tiny_llama
 
@@ -406,7 +411,7 @@ def test_the_in_forward_head_computes_the_same_logps_and_gradients_as_the_hooked
             targets = batch.labels.reshape(-1).index_select(0, positions)
             tokens = in_forward_token_logps(model, check_supported_head(model), batch, targets, chunk_size=5)
             index = batch.sequence_index.reshape(-1).index_select(0, positions)
-            logps = tokens.new_zeros(batch.num_sequences).index_add(0, index, tokens)
+            logps = _sequence_sums(tokens, index, batch.num_sequences)  # the sum both paths use
         else:
             logps = packed_sequence_logps(model, batch, chunk_size=5)
         logps.pow(2).sum().backward()
