@@ -241,14 +241,14 @@ def _forward_under(model: torch.nn.Module, context: Callable[[], contextlib.Abst
         with context():
             return forward(*args, **kwargs)
 
-    model.forward = wrapped  # type: ignore[method-assign]
+    model.forward = wrapped
     try:
         yield
     finally:
         if own is None:
             del model.forward
         else:
-            model.forward = own  # type: ignore[method-assign]
+            model.forward = own
 
 
 class Fp8ScaleCallback(TrainerCallback):
