@@ -16,7 +16,7 @@ from pair_dpo_trainer.collators.packed import IGNORE_INDEX, PackedPairBatch, spl
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs
-from pair_dpo_trainer.modeling.wrappers import is_fsdp_managed, unwrap_model
+from pair_dpo_trainer.modeling.wrappers import forward_replaced, is_fsdp_managed, unwrap_model
 
 DEFAULT_CHUNK_SIZE = 4096
 """Rows of hidden states projected onto the vocabulary at once."""
@@ -269,11 +269,8 @@ def module_chunked_token_logps(
     def chunked_forward(rows: torch.Tensor, ids: torch.Tensor) -> Any:
         return chunked_token_logps(rows, head.weight, ids, chunk_size, with_stats=with_stats)
 
-    head.forward = chunked_forward  # an instance attribute shadows the class method for this one call
-    try:
+    with forward_replaced(head, chunked_forward):
         return head(hidden, targets)
-    finally:
-        del head.forward
 
 
 def check_supported_head(model: torch.nn.Module) -> Any:
@@ -351,12 +348,9 @@ def in_forward_token_logps(
         )
         return torch.cat([result[0][:, None], result[1]], dim=1) if with_stats else result
 
-    head.forward = chunked_forward  # an instance attribute shadows the class method for this one forward
-    try:
-        keep = batch.completion_positions if positions is None else positions
+    keep = batch.completion_positions if positions is None else positions
+    with forward_replaced(head, chunked_forward):
         output = model(**packed_forward_kwargs(batch), logits_to_keep=keep)
-    finally:
-        del head.forward
     if not with_stats:
         return output.logits.reshape(-1)
     columns = output.logits.reshape(-1, 1 + len(TOKEN_STATS))

@@ -1,7 +1,10 @@
-"""Seeing through wrappers: the HF model inside a DDP / DeepSpeed wrapper, and whether a module is an FSDP2 root."""
+"""Seeing through wrappers (the HF model inside a DDP / DeepSpeed wrapper, whether a module is an FSDP2 root) and
+wrapping one module's ``forward`` for the length of a block."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,3 +32,27 @@ def is_fsdp_managed(model: torch.nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule) or isinstance(unwrap_model(model), FSDPModule)
+
+
+@contextlib.contextmanager
+def forward_replaced(module: torch.nn.Module, forward: Callable[..., Any]) -> Iterator[None]:
+    """``module``'s calls run ``forward`` inside the block (an instance attribute shadows the class method, so the
+    module's hooks still fire around it), then whatever ``forward`` the module had before.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> with forward_replaced(layer, lambda x: x + 1):
+        ...     layer(torch.zeros(2)).tolist()
+        [1.0, 1.0]
+        >>> "forward" in layer.__dict__
+        False
+    """
+    own = module.__dict__.get("forward")
+    module.forward = forward
+    try:
+        yield
+    finally:
+        if own is None:
+            del module.forward
+        else:
+            module.forward = own

@@ -22,6 +22,7 @@ from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointi
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
 from pair_dpo_trainer.modeling.logprobs import compile_head_kernels, packed_policy_logps
+from pair_dpo_trainer.modeling.wrappers import forward_replaced
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
     CANDIDATES,
@@ -234,21 +235,14 @@ def budget_probe(
 def _forward_under(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> Iterator[None]:
     """``model.forward`` runs inside ``context()`` for the block, as accelerate's mixed precision runs a prepared
     model's forward (the log-prob head outside it, as in training)."""
-    own = model.__dict__.get("forward")
     forward = model.forward
 
     def wrapped(*args, **kwargs):
         with context():
             return forward(*args, **kwargs)
 
-    model.forward = wrapped
-    try:
+    with forward_replaced(model, wrapped):
         yield
-    finally:
-        if own is None:
-            del model.forward
-        else:
-            model.forward = own
 
 
 class Fp8ScaleCallback(TrainerCallback):
