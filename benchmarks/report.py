@@ -44,6 +44,8 @@ SUMMARY_COLUMNS = (
     ("peak_reserved_gib", "reserved GiB"),
     ("mfu8N_989", "MFU 8N all"),
     ("mfu_noembed_989", "MFU kN non-emb"),
+    ("gpu_sm_clock_mhz_median", "SM MHz"),
+    ("gpu_power_capped_frac", "power-capped"),
     ("compile", "compile"),
     ("dynamo_graphs_timed", "graphs in timed steps"),
     ("ours_over_ceiling", "ours/ceiling"),

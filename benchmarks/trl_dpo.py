@@ -40,6 +40,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.clocks import clock_fields, start_sampler
 from benchmarks.workload import MODEL_SIZES, build_model, lora_config, make_tokenizer, token_vocab, trl_rows
 
 PROCESS_START = time.perf_counter()
@@ -240,9 +241,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     ctx["setup_wall_s"] = start - PROCESS_START
-    trainer.train()
+    sampler = start_sampler(ctx["cuda"])
+    try:
+        trainer.train()
+    finally:
+        if sampler is not None:
+            sampler.stop()
     ctx["train_wall_s"] = time.perf_counter() - start
-    return result_row(args, ctx, ends, trainer_class.tok_log, trainer)
+    row = result_row(args, ctx, ends, trainer_class.tok_log, trainer)
+    return {**row, **clock_fields(sampler, ends, args.warmup, row["mfu8N_989"])}
 
 
 def main(argv: list[str] | None = None) -> int:
