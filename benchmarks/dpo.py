@@ -597,15 +597,15 @@ def write_profile(ctx: dict[str, Any], probe: Probe) -> dict[str, Any]:
         f"== profile of optimizer step {probe.profile_step} (0-based, {tokens} real tokens), tag {args.tag}, "
         f"rank {ctx['rank']} =="
     )
-    text = profile_summary.format_summary(probe.events, use_device=ctx["cuda"], title=title)
+    breakdown = profile_summary.host_breakdown(probe.events)
+    gaps = profile_summary.idle_gaps(probe.events) if ctx["cuda"] else None
+    text = profile_summary.format_summary(probe.events, ctx["cuda"], breakdown, gaps, title=title)
     print(text, flush=True)
     out_dir = os.environ.get("OUT") or (os.path.dirname(args.results) if args.results else None)
     if out_dir:
         suffix = "" if ctx["rank"] == 0 else f".rank{ctx['rank']}"
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, f"profile_summary{suffix}.txt").write_text(text)
-    breakdown = profile_summary.host_breakdown(probe.events)
-    gaps = profile_summary.idle_gaps(probe.events) if ctx["cuda"] else None
     return {
         "profile_tokens": tokens,  # the profiled step is a warm-up step: its tokens are not in seq_len
         "profile_step_ms": round(breakdown["step_ms"], 3),

@@ -424,8 +424,12 @@ def format_breakdown(breakdown: dict[str, Any], use_device: bool) -> list[str]:
     return lines
 
 
-def format_summary(events: Sequence[Any], use_device: bool, title: str = "") -> str:
-    """The text written to ``profile_summary.txt``: headline counts, origins, top-15 ops."""
+def format_summary(
+    events: Sequence[Any], use_device: bool, breakdown: dict[str, Any], gaps: dict[str, Any] | None, title: str = ""
+) -> str:
+    """The text written to ``profile_summary.txt``: headline counts, origins, top-15 ops, then the host-time
+    ``breakdown`` (:func:`host_breakdown`) and, on a GPU, the idle ``gaps`` (:func:`idle_gaps`), which the caller
+    computes once for the text and the row."""
     counts, origins = count_syncs(events)
     lines = [title] if title else []
     lines += _headline(counts)
@@ -441,7 +445,7 @@ def format_summary(events: Sequence[Any], use_device: bool, title: str = "") -> 
         lines.append(
             f"  {row['name'][:48]:48s} {row['calls']:7d} {row['self_dev_ms']:13.3f} {row['self_cpu_ms']:12.3f}"
         )
-    lines += format_breakdown(host_breakdown(events), use_device)
-    if use_device:
-        lines += format_gaps(idle_gaps(events))
+    lines += format_breakdown(breakdown, use_device)
+    if gaps is not None:
+        lines += format_gaps(gaps)
     return "\n".join(lines) + "\n"
