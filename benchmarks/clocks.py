@@ -13,10 +13,12 @@ machine) the fields are None.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.sw_power_cap"
@@ -111,13 +113,20 @@ class ClockSampler:
         }
 
 
-def start_sampler(cuda: bool) -> ClockSampler | None:
-    """A started :class:`ClockSampler` for this process's current CUDA device, or None without CUDA."""
-    if not cuda:
-        return None
-    import torch
+@contextlib.contextmanager
+def sampled(cuda: bool) -> Iterator[ClockSampler | None]:
+    """A :class:`ClockSampler` of this process's current CUDA device for the block (None without CUDA), stopped when
+    the block ends, however it ends."""
+    sampler = None
+    if cuda:
+        import torch
 
-    return ClockSampler(nvml_index(torch.cuda.current_device())).start()
+        sampler = ClockSampler(nvml_index(torch.cuda.current_device())).start()
+    try:
+        yield sampler
+    finally:
+        if sampler is not None:
+            sampler.stop()
 
 
 def clock_fields(sampler: ClockSampler | None, ends: list[float], warmup: int, mfu8n_989: float) -> dict[str, Any]:

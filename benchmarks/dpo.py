@@ -86,7 +86,7 @@ from transformers import TrainerCallback, TrainingArguments
 
 from benchmarks import profile_summary
 from benchmarks.ceiling import run_ceiling, run_shape_ceiling, shape_batches  # noqa: F401  (shape_batches: tests)
-from benchmarks.clocks import clock_fields, start_sampler
+from benchmarks.clocks import clock_fields, sampled
 from benchmarks.report import emit, summary_table
 from benchmarks.rows import (
     Probe,
@@ -643,12 +643,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     ctx["setup_wall_s"] = start - PROCESS_START  # imports, model, reference identity, trainer: a suite's time budget
-    sampler = start_sampler(ctx["cuda"])
-    try:
+    with sampled(ctx["cuda"]) as sampler:
         trainer.train()
-    finally:
-        if sampler is not None:
-            sampler.stop()
     ctx["train_wall_s"] = time.perf_counter() - start
     row = result_row(ctx, probe, trainer)
     row.update(clock_fields(sampler, probe.ends, args.warmup, row["mfu8N_989"]))

@@ -40,7 +40,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.clocks import clock_fields, start_sampler
+from benchmarks.clocks import clock_fields, sampled
 from benchmarks.workload import MODEL_SIZES, build_model, lora_config, make_tokenizer, token_vocab, trl_rows
 
 PROCESS_START = time.perf_counter()
@@ -241,12 +241,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     ctx["setup_wall_s"] = start - PROCESS_START
-    sampler = start_sampler(ctx["cuda"])
-    try:
+    with sampled(ctx["cuda"]) as sampler:
         trainer.train()
-    finally:
-        if sampler is not None:
-            sampler.stop()
     ctx["train_wall_s"] = time.perf_counter() - start
     row = result_row(args, ctx, ends, trainer_class.tok_log, trainer)
     return {**row, **clock_fields(sampler, ends, args.warmup, row["mfu8N_989"])}

@@ -6,6 +6,10 @@ from __future__ import annotations
 import sys
 import time
 
+import pytest
+import torch
+
+from benchmarks import clocks
 from benchmarks.clocks import FIELDS, ClockSampler, clock_fields
 
 FAKE_SMI = """
@@ -64,3 +68,23 @@ def test_without_nvidia_smi_the_fields_are_none():
     assert sampler.fields(0.0, float("inf")) == dict.fromkeys(FIELDS)
     unsampled = {**dict.fromkeys(FIELDS), "mfu8N_at_sm_clock": None}
     assert clock_fields(None, [1.0, 2.0], warmup=1, mfu8n_989=0.5) == unsampled
+
+
+def test_sampled_yields_a_sampler_on_cuda_and_stops_it_when_the_block_raises(monkeypatch):
+    started: list[ClockSampler] = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(clocks, "nvml_index", lambda index: index)
+    original_start = ClockSampler.start
+
+    def start(self):
+        self.command = [sys.executable, "-c", FAKE_SMI]
+        started.append(self)
+        return original_start(self)
+
+    monkeypatch.setattr(ClockSampler, "start", start)
+    with pytest.raises(RuntimeError), clocks.sampled(True) as sampler:
+        assert sampler is started[0]
+        raise RuntimeError("training failed")
+    assert sampler._process is not None and sampler._process.returncode is not None  # stopped despite the raise
+    with clocks.sampled(False) as none:
+        assert none is None
