@@ -5,6 +5,21 @@ from __future__ import annotations
 
 import pytest
 
+from tests.gc_heap import freeze_import_heap, freeze_new_imports
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _collected_modules_out_of_the_collectors_view():
+    """Every ``Trainer.train()`` runs a full ``gc.collect()``: the objects of the modules imported while collecting
+    are frozen before any fixture trains (tests/gc_heap.py)."""
+    freeze_import_heap()
+
+
+@pytest.fixture(autouse=True)
+def _new_imports_out_of_the_collectors_view():
+    """The same for modules a test or fixture imported lazily (transformers' model classes, deepspeed)."""
+    freeze_new_imports()
+
 
 @pytest.fixture(autouse=True)
 def _private_pairs_cache(tmp_path_factory, monkeypatch):

@@ -31,6 +31,7 @@ from pair_dpo_trainer.parallel.collectives import end_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.dpo_fixtures import cpu_config, synthetic_pairs  # noqa: E402
+from tests.gc_heap import freeze_import_heap  # noqa: E402
 from tests.models import tiny_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 64
@@ -252,4 +253,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_import_heap()  # ~120 trainings follow, each starting with a full gc.collect()
     main()

@@ -47,6 +47,7 @@ from pair_dpo_trainer.integrity import parameter_digest  # noqa: E402
 from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
 from pair_dpo_trainer.parallel.gather import gathered_named_parameters  # noqa: E402
 from tests.dpo_fixtures import cpu_config, synthetic_pairs  # noqa: E402
+from tests.gc_heap import freeze_import_heap  # noqa: E402
 from tests.models import tiny_llama, tiny_lora_llama, tiny_tokenizer  # noqa: E402
 
 NUM_PAIRS = 48
@@ -354,4 +355,5 @@ def _pre(out_dir: Path, cache: str, **kwargs: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    freeze_import_heap()  # several trainings follow, each starting with a full gc.collect()
     main()

@@ -50,6 +50,7 @@ from tests.ds_worker import (  # noqa: E402
     resume_reweighted,
     run_failing,
 )
+from tests.gc_heap import freeze_import_heap  # noqa: E402
 from tests.models import tiny_llama, tiny_lora_llama  # noqa: E402
 
 # The ZeRO-3 worker's run (tests/ds_worker.py): 48 pairs, 6 steps of 8 pairs in 2 micro-batches per rank, fp32, no
@@ -329,4 +330,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_import_heap()  # several trainings follow, each starting with a full gc.collect()
     main()

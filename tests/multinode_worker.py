@@ -41,6 +41,7 @@ from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir  # noqa: E402
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs  # noqa: E402
 from pair_dpo_trainer.parallel.collectives import end_process_group  # noqa: E402
 from tests.dpo_fixtures import cpu_config  # noqa: E402
+from tests.gc_heap import freeze_import_heap  # noqa: E402
 
 GLOBAL_PAIRS = 8
 NUM_PAIRS = 64
@@ -211,4 +212,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    freeze_import_heap()  # several trainings follow, each starting with a full gc.collect()
     main()
