@@ -6,10 +6,10 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint format typecheck bench bench-list
+.PHONY: install test lint format typecheck bench bench-list constraints deps-latest
 
 install:
-	pip install torch==2.13.0 -e ".[test]"
+	pip install torch==2.13.0 -e ".[test]" -c constraints.txt
 
 test:
 	$(PYTHON) -m pytest -n 2 --dist loadfile
@@ -30,3 +30,14 @@ bench:
 
 bench-list:
 	$(PYTHON) -m benchmarks.run --list
+
+# constraints.txt pins what CI installs; `make deps-latest` tries the newest releases in a throw-away venv (the fast
+# tier, then the list of pins a raise would change); `make constraints` rewrites the pins from the current resolution.
+constraints:
+	$(PYTHON) tools/constraints.py write
+
+deps-latest:
+	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q torch==2.13.0 -e ".[test]"
+	.venv-latest/bin/python -m pytest -q -n 2 --dist loadfile -m "not slow" -p no:cacheprovider
+	.venv-latest/bin/python tools/constraints.py diff

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -73,6 +74,31 @@ def _checkpointed_forward(inner: Callable[..., Any]) -> Callable[..., Any]:
     return forward
 
 
+def _kernel_routing_is_idle(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s forward is the ``kernels`` hub routing wrapper (transformers >= 5.25 decorates attention
+    with ``use_kernelized_func``) and routes every function to the function itself (the model was never
+    ``kernelize``d)."""
+    wrapped = getattr(type(module).forward, "__wrapped__", None)
+    private = module.__dict__.get("_kernel_funcs")
+    if wrapped is None or not isinstance(private, dict) or "forward" in module.__dict__:
+        return False
+    return all(type(func).forward is getattr(func.forward, "__func__", None) for func in private.values())
+
+
+def _drop_idle_kernel_routing(layer: torch.nn.Module) -> None:
+    """Binds the undecorated forward on the modules of ``layer`` whose ``kernels`` routing is idle.
+
+    The routing wrapper stores the active functions in a global (``CompileableContextVar``) on every call; inside a
+    checkpoint that is compiled, dynamo refuses such a mutation ("HOP: Unsafe side effect"), so checkpointing and
+    ``torch_compile`` together would fail. When the model was never ``kernelize``d the routing selects the plain
+    function, so calling the undecorated forward computes exactly the same thing. A ``kernelize``d module keeps its
+    routing.
+    """
+    for module in layer.modules():
+        if _kernel_routing_is_idle(module):
+            module.forward = types.MethodType(type(module).forward.__wrapped__, module)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     """Marks the decoder layers of ``model`` that ``mode`` checkpoints; returns how many are checkpointed.
 
@@ -116,6 +142,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
             cls.forward = _checkpointed_forward(cls.forward)
             setattr(cls, _WRAPPED, True)
         on = kind != "off" and index % every == 0
+        if on:
+            _drop_idle_kernel_routing(layer)
         setattr(layer, _FLAG, on)
         setattr(layer, _CONTEXT, context)
         marked += on
