@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from tests.ports import free_port
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "fault_worker.py"
@@ -92,8 +93,8 @@ def launch_torchrun(runs: list[dict[str, Any]], log_dir: Path, nproc: int) -> su
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
-    """Exit codes after at most ``timeout`` seconds (None: still running)."""
-    deadline = time.monotonic() + timeout
+    """Exit codes after at most ``timeout`` seconds, stretched by the machine's load (None: still running)."""
+    deadline = time.monotonic() + scaled(timeout)
     for proc in procs:
         try:
             proc.wait(max(deadline - time.monotonic(), 0.1))
@@ -137,7 +138,7 @@ def wait_for_progress(
     spec: dict[str, Any], rank: int, step: int, procs: list[subprocess.Popen], timeout: float
 ) -> None:
     """Blocks until ``rank`` reported ``step`` in its progress file (fails if the workers exit first)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     path = Path(spec["progress"])
     while time.monotonic() < deadline:
         if path.exists() and any(line.split()[:2] == [str(rank), str(step)] for line in path.read_text().splitlines()):

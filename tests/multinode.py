@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.ports import free_port
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "multinode_worker.py"
@@ -247,7 +248,7 @@ class Job:
         return [(int(r), int(s), float(t)) for r, s, t in (line for line in lines if len(line) == 3)]
 
     def wait_for_step(self, run: str, step: int, timeout: float, rank: int = 0) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while time.monotonic() < deadline:
             if any(r == rank and s >= step for r, s, _ in self.progress(run)):
                 return
@@ -258,7 +259,7 @@ class Job:
 
 
 def wait(procs: Sequence[subprocess.Popen], timeout: float) -> list[int | None]:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     for proc in procs:
         try:
             proc.wait(max(deadline - time.monotonic(), 0.1))

@@ -44,6 +44,7 @@ from pair_dpo_trainer.reference.precompute import dataset_fingerprint
 from tests.dpo_fixtures import cpu_config
 from tests.models import tiny_llama
 from tests.ports import free_port
+from tests.timing import scaled
 
 LIMITS = {"max_length": 128, "max_prompt_length": 64, "max_tokens_per_microbatch": None}
 BAD_ROWS = {300: {"prompt": "x"}, 520: {"prompt": "x", "chosen": " 1", "rejected": " 1"}, 700: ["not", "a", "row"]}
@@ -487,9 +488,10 @@ def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch)
     from pair_dpo_trainer.parallel import node
 
     monkeypatch.setattr(node, "HEARTBEAT_SECONDS", 0.1)
+    stall_timeout = scaled(0.5)  # five heartbeats on an idle machine: a loaded one may delay a beat, never five
 
     def slow_work():
-        time.sleep(1.5)  # three times the stall timeout below
+        time.sleep(3 * stall_timeout)  # three stall windows: only the heartbeat keeps the waiter waiting
         return "tokenised"
 
     def local_main():
@@ -498,7 +500,7 @@ def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch)
 
     thread = threading.Thread(target=local_main)
     thread.start()
-    node._wait_for(store, "once/0", 0, stall_timeout=0.5)  # returns: the heartbeat kept coming
+    node._wait_for(store, "once/0", 0, stall_timeout=stall_timeout)  # returns: the heartbeat kept coming
     thread.join()
     assert pickle.loads(store.get("once/0/done")) == (True, "tokenised")
 
