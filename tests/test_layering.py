@@ -196,16 +196,3 @@ def test_every_package_folder_says_what_lives_there_and_what_it_may_import():
         assert readme.is_file(), f"{folder.name}/ has no README.md"
         text = readme.read_text(encoding="utf-8")
         assert "May import:" in text and 3 <= len(text.strip().splitlines()) <= 12, folder.name
-
-
-def test_the_deprecated_runtime_path_warns_and_gives_the_same_objects():
-    import importlib
-    import sys
-
-    from pair_dpo_trainer import fault_tolerance
-
-    sys.modules.pop("pair_dpo_trainer.runtime", None)
-    with pytest.warns(DeprecationWarning, match="pair_dpo_trainer.fault_tolerance"):
-        runtime = importlib.import_module("pair_dpo_trainer.runtime")
-    assert runtime.PREEMPTED_EXIT_CODE == fault_tolerance.PREEMPTED_EXIT_CODE == 75
-    assert runtime.TrainingPreempted is fault_tolerance.TrainingPreempted
