@@ -22,7 +22,6 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__",),  # the public facade: PairDPOConfig and PairDPOTrainer, imported lazily
     ("trainer",),
     ("cli",),
-    ("runtime",),  # the deprecated name of fault_tolerance/, a re-export for one release
     ("training",),
     ("fault_tolerance",),
     ("reference",),
