@@ -6,13 +6,17 @@ export OMP_NUM_THREADS ?= 1
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: install test lint format typecheck bench bench-list constraints deps-latest
+.PHONY: install test test-fast lint format typecheck bench bench-list constraints deps-latest
 
 install:
 	pip install torch==2.13.0 -e ".[test]" -c constraints.txt
 
 test:
 	$(PYTHON) -m pytest -n 2 --dist loadfile
+
+# The development tier: every module's in-process tests, no launches or end-to-end trainings (under 3 minutes).
+test-fast:
+	$(PYTHON) -m pytest -n 2 --dist loadfile -m "not integration"
 
 lint:
 	ruff check .

@@ -15,6 +15,13 @@ def pytest_configure(config):
         config.option.timeout = scaled(float(config.option.timeout))
 
 
+def pytest_collection_modifyitems(config, items):
+    """A slow or multi-process test belongs to the integration tier (setup.cfg) without saying so twice."""
+    for item in items:
+        if item.get_closest_marker("slow") or item.get_closest_marker("distributed"):
+            item.add_marker(pytest.mark.integration)
+
+
 def pytest_report_header(config):
     return f"wait deadlines x{TIME_SCALE:.2f} (tests/timing.py; PAIR_DPO_TEST_TIME_SCALE to fix it)"
 

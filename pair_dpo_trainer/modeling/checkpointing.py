@@ -96,7 +96,8 @@ def _drop_idle_kernel_routing(layer: torch.nn.Module) -> None:
     """
     for module in layer.modules():
         if _kernel_routing_is_idle(module):
-            module.forward = types.MethodType(type(module).forward.__wrapped__, module)
+            plain = getattr(type(module).forward, "__wrapped__")  # noqa: B009 (functools.wraps sets it; mypy can't see it)
+            module.forward = types.MethodType(plain, module)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
