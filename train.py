@@ -1,4 +1,4 @@
-"""Train pair DPO: ``accelerate launch train.py [flags | config.yaml | config.json]``.
+"""Train pair DPO: ``python train.py [flags | config.yaml | config.json]``; several GPUs: ``accelerate launch ...``.
 
 A real run names both ``--model_name_or_path`` and ``--dataset``; every other option keeps ``PairDPOConfig``'s
 default unless given. With neither, it trains the bundled tiny Llama on the bundled demo preference pairs (no
@@ -102,22 +102,28 @@ def parse_args(argv: list[str]) -> tuple[Any, Any, Any]:
     """
     from transformers import HfArgumentParser
 
-    from pair_dpo_trainer.config.trl_names import config_field_names, reject_unsupported_options
+    from pair_dpo_trainer.config.trl_names import (
+        config_field_names,
+        reject_unsupported_options,
+        unknown_option_problems,
+    )
 
     classes = argument_classes()
-    parser = HfArgumentParser(classes)
+    parser = HfArgumentParser(classes, allow_abbrev=False)  # --learning_rat is unknown, not --learning_rate
     file_values = _config_file_values(argv)
     argv = _split_list_flags(argv) if file_values is None else argv
     given = _flag_names(argv) if file_values is None else list(file_values)
     known = set().union(*(config_field_names(cls) for cls in classes))
     reject_unsupported_options(given, where="train.py", known=known)
     if file_values is not None:
+        _raise_unknown(unknown_option_problems(file_values, known=known, prefix=""), where=argv[0])
         demo = _is_demo(file_values.get("model_name_or_path"), file_values.get("dataset"))
         defaults = _demo_defaults(file_values.get("eval_size"))
         values = {**defaults, **file_values} if demo else file_values
         parsed = _with_demo_paths(parser.parse_dict(_as_flag_types(parser, values)), demo)
     else:
-        namespace, _ = parser.parse_known_args(argv)
+        namespace, leftover = parser.parse_known_args(argv)
+        _raise_unknown(_unknown_flag_problems(parser, leftover))
         demo = _is_demo(namespace.model_name_or_path, namespace.dataset)
         defaults = _demo_defaults(namespace.eval_size)
         if demo:
@@ -125,6 +131,35 @@ def parse_args(argv: list[str]) -> tuple[Any, Any, Any]:
         parsed = _with_demo_paths(parser.parse_args_into_dataclasses(argv), demo)
     parsed[2].mark_options_given([*given, *(defaults if demo else ())])
     return parsed
+
+
+def _unknown_flag_problems(parser: Any, leftover: list[str]) -> list[tuple[str, str]]:
+    """``unknown_option`` for each flag the parser did not take (a stray word when there is no flag among them)."""
+    from pair_dpo_trainer.config.trl_names import unknown_option_problems
+
+    options = {name[2:] for action in parser._actions for name in action.option_strings if name.startswith("--")}
+    flags = [token[2:].split("=", 1)[0] for token in leftover if token.startswith("--")]
+    problems = unknown_option_problems(flags, known={name for name in options if "-" not in name})
+    if leftover and not problems:
+        fix = "train.py takes --name value flags, or one YAML/JSON file given alone."
+        problems = [("unknown_option", f"unexpected argument {leftover[0]!r}: {fix}")]
+    return problems
+
+
+def _raise_unknown(problems: list[tuple[str, str]], *, where: str | None = None) -> None:
+    """One ``ConfigError`` (``unknown_option``) for the options of ``problems`` (nothing when there is none).
+
+    Args:
+        problems: ``unknown_option`` problems.
+        where: The config file that named them (None: the command line).
+    """
+    if len(problems) == 1:
+        text = problems[0][1]
+        raise ConfigError("unknown_option", text if where is None else f"{where}: {text}", problems=problems)
+    if problems:
+        lines = "\n".join(f"  - {text}" for _, text in problems)
+        message = f"{where or 'the command line'} has {len(problems)} unknown options:\n{lines}"
+        raise ConfigError("unknown_option", message, problems=problems)
 
 
 def _demo_defaults(eval_size: Any) -> dict[str, Any]:
@@ -152,11 +187,35 @@ def _config_file_values(argv: list[str]) -> dict[str, Any] | None:
     """The mapping of a lone ``.yaml`` / ``.yml`` / ``.json`` argument, else None."""
     if len(argv) != 1 or not argv[0].endswith((".yaml", ".yml", ".json")):
         return None
-    text = Path(argv[0]).read_text(encoding="utf-8")
-    values = json.loads(text) if argv[0].endswith(".json") else yaml.safe_load(text)
+    path = argv[0]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+        values = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, yaml.YAMLError) as error:  # JSONDecodeError is a ValueError
+        raise ConfigError("bad_config_file", f"{path}: {_file_problem(error)}") from error
     if not isinstance(values, dict):
         raise ConfigError("bad_args", f"{argv[0]}: expected a mapping of option names to values.")
     return values
+
+
+def _file_problem(error: Exception) -> str:
+    """What is wrong with a config file that cannot be read, and how to fix it."""
+    mark = getattr(error, "problem_mark", None)
+    where = f"line {mark.line + 1}: " if mark is not None else ""
+    if isinstance(error, yaml.constructor.ConstructorError):  # safe_load builds no object of a tag: no code runs
+        quoted = str(error.problem).split("'")
+        tag = quoted[1].replace("tag:yaml.org,2002:", "!!") if len(quoted) > 2 else "a tag"
+        return (
+            f"{where}the YAML tag {tag} is not read: a config file holds plain names and values (strings, numbers, "
+            "true/false, lists), nothing that builds Python objects. Remove the tag."
+        )
+    if isinstance(error, yaml.YAMLError):
+        return f"{where}not valid YAML ({getattr(error, 'problem', None) or error}). Fix the file."
+    if isinstance(error, json.JSONDecodeError):
+        return f"line {error.lineno}: not valid JSON ({error.msg}). Fix the file."
+    if isinstance(error, OSError):
+        return f"cannot read it ({error.strerror or error}). Check the path."
+    return f"cannot read it ({error}). Save it as UTF-8 text."
 
 
 def _flag_names(argv: list[str]) -> list[str]:
@@ -277,7 +336,23 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
         if trainer.is_world_process_zero():
             plot_training_curves(trainer.state.log_history, f"{config.output_dir}/{CURVES_FILENAME}")
             print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+            print(where_written(config.output_dir), flush=True)
     return metrics
+
+
+def where_written(output_dir: str) -> str:
+    """The run's last lines: where the model, the checkpoints and the curves PNG are (absolute paths)."""
+    from pair_dpo_trainer.cli.plot import CURVES_FILENAME
+
+    out = Path(output_dir).absolute()
+    steps = sorted(int(p.name.split("-")[1]) for p in out.glob("checkpoint-*") if p.name.split("-")[1].isdigit())
+    checkpoints = ", ".join(str(out / f"checkpoint-{step}") for step in steps[-2:]) or "none (no save was due)"
+    if len(steps) > 2:
+        checkpoints += f" (the last 2 of {len(steps)})"
+    return (
+        f"train.py: wrote\n  model        {out} (config.json, model.safetensors, the tokenizer)\n"
+        f"  checkpoints  {checkpoints}\n  curves       {out / CURVES_FILENAME}"
+    )
 
 
 def run(argv: list[str]) -> int:

@@ -4,7 +4,8 @@ launcher.
 The 2-process launches run train.py itself on the CPU (gloo, fp32) for 2 optimizer steps on 64 demo pairs, and check
 that the processes formed ONE job (``world_size=2`` in the run summary, printed once, by rank 0) that trained. They
 are few on purpose (each costs 15-60 s on 2 cores): the accelerate ``cpu_2proc.yaml`` launch is also the
-"torchrun without --use_cpu" case (accelerate runs torchrun, and nothing tells the processes to use the CPU), the
+"torchrun without --use_cpu" case (accelerate runs torchrun, and only the hidden GPUs, ``CUDA_VISIBLE_DEVICES=``,
+tell the processes to use the CPU), the
 ``torchrun --deepspeed`` launch loads the policy by path under ``zero.Init``, and the ``deepspeed`` launcher runs
 without
 ``--use_cpu``. Configs that need GPUs are checked by accelerate's own launch-argument parsing.
@@ -53,6 +54,31 @@ def test_launcher_world_size_reads_torchrun_and_mpi_variables():
 def test_a_multi_process_launch_without_accelerator_runs_on_the_cpu(monkeypatch, use_cpu, env, accelerator, expected):
     monkeypatch.setattr(launch, "accelerator_available", lambda: accelerator)
     assert launch.resolve_use_cpu(use_cpu, env=env) is expected
+
+
+@pytest.mark.parametrize(
+    "bf16,use_cpu,env,refused",
+    [
+        (None, False, {"WORLD_SIZE": "8", "ACCELERATE_MIXED_PRECISION": "bf16"}, True),  # multi_gpu_ddp.yaml
+        (True, False, {}, True),  # --bf16 True
+        (None, False, {"ACCELERATE_MIXED_PRECISION": "bf16"}, True),  # single_gpu.yaml
+        (None, True, {"WORLD_SIZE": "8", "ACCELERATE_MIXED_PRECISION": "bf16"}, False),  # --use_cpu True: asked
+        (True, False, {"CUDA_VISIBLE_DEVICES": ""}, False),  # every GPU hidden: the CPU is the choice
+        (None, False, {}, False),  # one float32 process: a CPU run asks for no GPU
+        (False, False, {"CUDA_VISIBLE_DEVICES": "0"}, False),
+    ],
+)
+def test_a_run_that_asks_for_gpus_on_a_machine_without_them_needs_use_cpu(monkeypatch, bf16, use_cpu, env, refused):
+    monkeypatch.setattr(launch, "accelerator_available", lambda: False)
+    problem = launch.no_gpu_problem(bf16, use_cpu=use_cpu, env=env)
+    assert (problem is not None) is refused
+    if refused:
+        assert "pass --use_cpu True" in problem
+    else:  # what then runs: on the CPU, one job, the bf16 asked for (TrainingArguments takes it with use_cpu)
+        asked = bool(launch.gpu_requests(bf16, env=env))
+        assert launch.resolve_use_cpu(use_cpu, env=env, bf16=bf16) is (use_cpu or asked)
+    monkeypatch.setattr(launch, "accelerator_available", lambda: True)
+    assert launch.no_gpu_problem(bf16, use_cpu=use_cpu, env=env) is None
 
 
 def test_processes_that_do_not_form_one_job_are_named():
@@ -182,9 +208,9 @@ def _train_args(out: Path, pairs: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _launch(prefix: list[str], tmp_path: Path, pairs: Path, *extra: str) -> tuple[str, dict]:
-    out = tmp_path / "out"
-    env = {
+def _launch_env() -> dict[str, str]:
+    """The environment of the test launches: CPU only (every GPU hidden), one thread per process, this checkout."""
+    return {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
@@ -196,8 +222,12 @@ def _launch(prefix: list[str], tmp_path: Path, pairs: Path, *extra: str) -> tupl
             "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "pair_dpo_torch_extensions")
         ),
     }
+
+
+def _launch(prefix: list[str], tmp_path: Path, pairs: Path, *extra: str) -> tuple[str, dict]:
+    out = tmp_path / "out"
     command = [*prefix, str(ROOT / "train.py"), *_train_args(out, pairs), *extra]
-    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(command, env=_launch_env(), cwd=tmp_path, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-6000:]
     return output, json.loads((out / "trainer_state.json").read_text())
@@ -265,3 +295,26 @@ def test_a_bf16_gpu_config_on_cpu_processes_trains_in_bf16_and_says_so(tmp_path,
     _assert_one_two_process_job(output, state)
     summary = next(line for line in output.splitlines() if line.startswith("pair_dpo: world_size="))
     assert "precision bf16 mixed" in summary and "on CPU" in summary and layout in summary
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_gpu_config_on_a_machine_without_gpus_is_refused_by_every_process(tmp_path, pairs_file):
+    """``multi_gpu_ddp.yaml`` as a user runs it on a CPU-only machine (GPUs not hidden; 2 of its 8 processes, for the
+    2 cores): every process refuses with ``no_gpu`` before loading, instead of training on the CPU in bf16."""
+    if launch.accelerator_available():
+        pytest.skip("this machine has an accelerator")
+    config = CONFIGS / "multi_gpu_ddp.yaml"
+    prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    prefix += ["--num_processes", "2", "--main_process_port", str(free_port())]
+    env = {k: v for k, v in _launch_env().items() if k != "CUDA_VISIBLE_DEVICES"}
+    command = [*prefix, str(ROOT / "train.py"), *_train_args(tmp_path / "out", pairs_file)]
+    done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    output = done.stdout + done.stderr
+    refusals = [line for line in output.splitlines() if line.startswith("train.py: error:")]
+    assert done.returncode != 0 and len(refusals) == 2, output[-4000:]
+    assert refusals[0].startswith(
+        "train.py: error: [no_gpu] this run asks for GPUs (2 processes from the launcher; the accelerate config's "
+        "mixed_precision: bf16) but torch sees none on this machine: pass --use_cpu True"
+    )
+    assert "pair_dpo: world_size=" not in output and "Loading weights" not in output

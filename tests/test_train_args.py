@@ -135,3 +135,61 @@ def test_help_lists_the_dpo_options_first_without_importing_the_trainer_or_peft(
     assert lines[1].split()[0] == "--model_name_or_path" and any(line.split()[:1] == ["--beta"] for line in lines[:10])
     assert "HEAVY []" in lines
     assert any(line.lstrip().startswith("--learning_rate") for line in lines)  # every option still follows
+
+
+# ------------------------------------------------------------------ mistyped options and unreadable files
+
+
+@pytest.mark.parametrize("flag", ["--learning_rat", "--learnin_rate"])
+def test_a_mistyped_flag_is_refused_naming_the_option_meant(flag):
+    """argparse's prefix matching is off: ``--learning_rat`` would otherwise set ``learning_rate`` silently."""
+    with pytest.raises(ConfigError) as info:
+        train.parse_args([flag, "1e-3", "--use_cpu", "true"])
+    assert info.value.reason_code == "unknown_option"
+    assert info.value.message == f"{flag} is not an option: did you mean --learning_rate?"
+
+
+def test_a_mistyped_file_key_and_several_unknown_flags_are_each_named(tmp_path):
+    (tmp_path / "run.yaml").write_text("learning_rat: 1.0e-3\nuse_cpu: true\n")
+    with pytest.raises(ConfigError) as key:
+        train.parse_args([str(tmp_path / "run.yaml")])
+    assert key.value.reason_code == "unknown_option"
+    assert key.value.message == f"{tmp_path / 'run.yaml'}: learning_rat is not an option: did you mean learning_rate?"
+    with pytest.raises(ConfigError) as flags:
+        train.parse_args(["--bta", "0.2", "--zzzz", "1", "--use_cpu", "true"])
+    assert [text for _, text in flags.value.problems] == [
+        "--bta is not an option: did you mean --beta?",
+        "--zzzz is not an option: train.py --help lists every option.",
+    ]
+
+
+def test_a_yaml_tag_is_refused_with_its_line_and_never_runs(tmp_path):
+    marker = tmp_path / "ran"
+    path = tmp_path / "run.yaml"
+    path.write_text(f"use_cpu: true\noutput_dir: !!python/object/apply:os.system ['touch {marker}']\n")
+    with pytest.raises(ConfigError) as info:
+        train.parse_args([str(path)])
+    assert info.value.reason_code == "bad_config_file"
+    assert info.value.message.startswith(f"{path}: line 2: the YAML tag !!python/object/apply:os.system is not read")
+    assert not marker.exists()
+    (tmp_path / "broken.json").write_text('{"beta": 0.1,\n "max_length": }\n')
+    with pytest.raises(ConfigError) as broken:
+        train.parse_args([str(tmp_path / "broken.json")])
+    assert broken.value.reason_code == "bad_config_file" and "line 2: not valid JSON" in broken.value.message
+
+
+@pytest.mark.parametrize(
+    "argv,code",
+    [
+        (["--learning_rat", "1e-3"], "unknown_option"),
+        (["RUN_YAML"], "bad_config_file"),
+    ],
+)
+def test_the_script_prints_a_mistyped_option_or_a_bad_file_as_one_line_and_exits_1(tmp_path, capsys, argv, code):
+    (tmp_path / "run.yaml").write_text("beta: !!python/name:os.system\n")
+    argv = [str(tmp_path / "run.yaml") if token == "RUN_YAML" else token for token in argv]
+    assert train.run(argv) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith(f"train.py: error: [{code}] ") and err[1:] == [
+        "train.py: (the traceback: set PAIR_DPO_DEBUG=1)"
+    ]

@@ -122,3 +122,14 @@ def test_plot_cli_says_what_it_wrote(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"pair-dpo plot: wrote {tmp_path / 'training_curves.png'} (") and out.endswith("\n")
     assert str(tmp_path / "trainer_state.json") in out
+
+
+def test_the_readme_quick_start_is_the_one_process_command_that_keeps_the_preemption_promise():
+    """The quick start starts the demo as guide section 12 says one process keeps SIGTERM's promise (checkpoint, exit
+    75 to the scheduler); accelerate's one-process launcher warns against itself and SIGKILLs the run 5 s later."""
+    readme = (ROOT / "README.md").read_text()
+    quick_start = readme.split("## Quick start", 1)[1].split("```bash\n", 1)[1].split("\n```", 1)[0]
+    assert quick_start.split(" && ")[-1] == "python train.py"
+    guide = (ROOT / "docs" / "guide.md").read_text().split("## 12. Failures and recovery", 1)[1]
+    row = next(line for line in guide.splitlines() if line.startswith("| `python train.py` (one process"))
+    assert row.endswith("| **75** |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shlex
 import shutil
@@ -303,6 +304,11 @@ def test_the_demo_with_no_eval_pairs_trains_and_saves_and_an_asked_evaluation_is
                          "--output_dir", str(tmp_path / "no_eval"))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "no_eval" / "model.safetensors").is_file() and (tmp_path / "no_eval" / "checkpoint-2").is_dir()
+    assert done.stdout.splitlines()[-3:] == [  # the run's last lines say where its outputs are
+        f"  model        {tmp_path / 'no_eval'} (config.json, model.safetensors, the tokenizer)",
+        f"  checkpoints  {tmp_path / 'no_eval' / 'checkpoint-2'}",
+        f"  curves       {tmp_path / 'no_eval' / 'training_curves.png'}",
+    ]
     state = json.loads((tmp_path / "no_eval" / "trainer_state.json").read_text())
     assert not any(key.startswith("eval_") for entry in state["log_history"] for key in entry)
     asked = _train_script(tmp_path, "--eval_size", "0", "--eval_on_start", "true", "--max_steps", "2", "--use_cpu",
@@ -384,3 +390,99 @@ def test_a_full_disk_while_building_the_pairs_cache_is_named_and_leaves_no_parti
     assert str(cache) in lines[0] and "free of 8.0 KiB" in lines[0] and "dataset_cache_dir" in lines[0]
     assert done.stdout.split("LEFT:", 1)[1].split() == []  # no entry, no temporary directory
     assert "Traceback" not in done.stderr
+
+
+# ------------------------------------------------------------------------------------- train.py's launch checks
+
+
+def _train_in_process(tmp_path: Path, capsys, *argv: str, output_dir: Path | None = None) -> tuple[int, list[str]]:
+    """``train.py`` on a model path that does not exist (so ``model_not_found`` would mean the check under test let
+    the run go on to loading): its exit code and its stderr lines."""
+    import train
+
+    real = ["--model_name_or_path", str(tmp_path / "no-model"), "--dataset", str(bundled_pairs_path())]
+    code = train.run([*real, "--output_dir", str(output_dir or tmp_path / "out"), *argv])
+    return code, capsys.readouterr().err.splitlines()
+
+
+def test_a_logger_that_is_not_installed_is_one_line_before_anything_loads(tmp_path, capsys):
+    if importlib.util.find_spec("tensorboard") is not None:
+        pytest.skip("tensorboard is installed here")
+    code, err = _train_in_process(tmp_path, capsys, "--use_cpu", "true", "--report_to", "tensorboard")
+    assert code == 1 and len(err) == 2, err
+    assert err[0].startswith("train.py: error: [report_to_unavailable] report_to 'tensorboard': its package is not")
+    assert "pip install tensorboard" in err[0] and "--report_to none" in err[0]
+    code, err = _train_in_process(tmp_path, capsys, "--use_cpu", "true", "--report_to", "tensorbord")
+    assert code == 1 and err[0].endswith(
+        "report_to 'tensorbord' is not a logging integration: did you mean 'tensorboard'?"
+    )
+
+
+def test_an_output_dir_that_cannot_be_written_is_one_line_before_anything_loads(tmp_path, capsys):
+    """A path through a regular file (what root meets too); a read-only filesystem: the launch test below."""
+    (tmp_path / "outputs").write_text("a file where the run's directory should be")
+    code, err = _train_in_process(tmp_path, capsys, "--use_cpu", "true", output_dir=tmp_path / "outputs" / "run")
+    assert code == 1 and len(err) == 2, err
+    assert err[0] == (
+        f"train.py: error: [output_dir_unwritable] output_dir {tmp_path / 'outputs' / 'run'}: {tmp_path / 'outputs'} "
+        "is a file, not a directory. Choose another --output_dir."
+    )
+
+
+@pytest.mark.slow  # one train.py launch (~20 s on 2 shared cores)
+@pytest.mark.skipif(
+    not namespaces_available(), reason="needs root in a mount namespace (unshare) for a read-only mount"
+)
+def test_train_script_refuses_a_read_only_output_dir_before_it_loads_the_model(tmp_path):
+    """The real fault: ``output_dir`` on a read-only filesystem (root cannot write it either)."""
+    readonly = tmp_path / "readonly"
+    readonly.mkdir()
+    argv = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(bundled_pairs_path())]
+    argv += ["--output_dir", str(readonly / "run"), "--use_cpu", "true", "--max_steps", "1"]
+    script = f"mount -t tmpfs -o ro small {shlex.quote(str(readonly))} && {shlex.join(_train_command(*argv))}"
+    command = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=_script_env(tmp_path), cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("train.py:")]
+    assert lines[0] == (
+        f"train.py: error: [output_dir_unwritable] output_dir {readonly / 'run'} cannot be written ({readonly}: "
+        "Read-only file system): the run saves its checkpoints and model there. Make it writable for this user, or "
+        "choose another --output_dir."
+    )
+    assert len(lines) == 2 and "Traceback" not in done.stderr and "Loading weights" not in done.stderr
+
+
+@pytest.mark.parametrize("asked", ["--bf16 True", "mixed_precision: bf16"])
+def test_bf16_on_a_machine_without_gpus_runs_only_when_the_cpu_is_asked_for(tmp_path, capsys, monkeypatch, asked):
+    """The flag and an accelerate config's bf16 get one answer: refused with the fix, or bf16 on the CPU with
+    ``--use_cpu True``."""
+    import train
+    from pair_dpo_trainer.config import launch
+
+    monkeypatch.setattr(launch, "accelerator_available", lambda: False)  # what this machine is; a GPU CI box too
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    flags = ["--bf16", "True"] if asked.startswith("--") else []
+    if not flags:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    code, err = _train_in_process(tmp_path, capsys, *flags)
+    assert code == 1 and len(err) == 2, err
+    shown = asked if flags else "the accelerate config's mixed_precision: bf16"
+    assert err[0].startswith(f"train.py: error: [no_gpu] this run asks for GPUs ({shown}) but torch sees none")
+    assert "pass --use_cpu True" in err[0]
+    _, _, config = train.parse_args(["--output_dir", str(tmp_path / "out"), *flags, "--use_cpu", "True"])
+    assert config.bf16 is True and config.use_cpu is True and config.device.type == "cpu"
+
+
+def test_the_end_of_a_run_names_where_the_model_checkpoints_and_curves_are(tmp_path):
+    import train
+
+    for step in (100, 20, 300):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+    lines = train.where_written(str(tmp_path)).splitlines()
+    assert lines == [
+        "train.py: wrote",
+        f"  model        {tmp_path} (config.json, model.safetensors, the tokenizer)",
+        f"  checkpoints  {tmp_path}/checkpoint-100, {tmp_path}/checkpoint-300 (the last 2 of 3)",
+        f"  curves       {tmp_path}/training_curves.png",
+    ]
+    assert train.where_written(str(tmp_path / "none")).splitlines()[2] == "  checkpoints  none (no save was due)"

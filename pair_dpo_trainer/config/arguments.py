@@ -25,6 +25,7 @@ from pair_dpo_trainer.config.allocator import apply_allocator_default
 from pair_dpo_trainer.config.launch import (
     elastic_restart_problem,
     launch_problem,
+    no_gpu_problem,
     precision_problem,
     resolve_bf16,
     resolve_use_cpu,
@@ -396,7 +397,8 @@ class PairDPOConfig(TrainingArguments):
         metadata={
             "help": "bf16 mixed precision. Unset: on when the accelerate config asks for mixed_precision bf16 (also on "
             "CPU), or when an accelerator with bf16 support is used and neither fp16, use_cpu nor an accelerate "
-            "config's fp16/fp8 is set; otherwise off. Contradicting the accelerate config: precision_mismatch."
+            "config's fp16/fp8 is set; otherwise off. Contradicting the accelerate config: precision_mismatch; "
+            "asked for on a machine without GPUs (no --use_cpu): no_gpu."
         },
     )
 
@@ -431,7 +433,10 @@ class PairDPOConfig(TrainingArguments):
         precision = precision_problem(self.bf16, fp16=self.fp16, env=os.environ)
         if precision is not None:
             raise ConfigError("precision_mismatch", precision)
-        self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ)
+        no_gpu = no_gpu_problem(self.bf16, use_cpu=self.use_cpu, env=os.environ)
+        if no_gpu is not None:
+            raise ConfigError("no_gpu", no_gpu)
+        self.use_cpu = resolve_use_cpu(self.use_cpu, env=os.environ, bf16=self.bf16)
         self.bf16 = resolve_bf16(self.bf16, fp16=self.fp16, use_cpu=self.use_cpu, env=os.environ)
         self.allocator = "use_cpu (the CUDA allocator is not used)" if self.use_cpu else apply_allocator_default()
         super().__post_init__()

@@ -1,8 +1,8 @@
 """What the launcher and the hardware decide: the bf16 default, CPU for a CPU-only multi-process launch, the check
 that the launched processes form one job, and the check that an elastic launch can restart.
 
-``PairDPOConfig.__post_init__`` calls :func:`resolve_bf16`, :func:`precision_problem` and :func:`resolve_use_cpu`
-before ``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` and
+``PairDPOConfig.__post_init__`` calls :func:`precision_problem`, :func:`no_gpu_problem`, :func:`resolve_use_cpu` and
+:func:`resolve_bf16` before ``TrainingArguments.__post_init__`` sets up the device, and :func:`launch_problem` and
 :func:`elastic_restart_problem` after it.
 
 Why the precision follows the launcher: an accelerate config's ``mixed_precision`` (``ACCELERATE_MIXED_PRECISION``)
@@ -14,9 +14,10 @@ under DeepSpeed accelerate writes it into the DeepSpeed configuration, which tra
 Why the last two exist: on a machine without an accelerator, ``torchrun --nproc_per_node 2 train.py`` (and
 ``accelerate launch`` with a DDP config, which runs torchrun) starts processes that accelerate's ``PartialState``
 does not join into one job unless ``use_cpu=True`` (it finds no GPU backend and falls back to "not distributed"):
-two independent world-size-1 trainings (the ``deepspeed`` launcher and ``torchrun ... --deepspeed`` too). A single
-process on such a machine runs on the CPU without being asked, so a multi-process launch does the same here:
-``use_cpu`` becomes True and the processes form one gloo job. Any other
+two independent world-size-1 trainings (the ``deepspeed`` launcher and ``torchrun ... --deepspeed`` too). Several
+processes (or bf16) on a machine without GPUs are what a GPU config asks for, so they are refused (``no_gpu``) unless
+the user chose the CPU (``--use_cpu True``, or every GPU hidden with ``CUDA_VISIBLE_DEVICES=``); then ``use_cpu``
+becomes True and the processes form one gloo job. Any other
 launch whose processes still do not form one job (e.g. accelerate's ``MULTI_CPU`` type without ``mpirun``, which
 starts ONE process for ``num_processes: 2``) raises ``launch_not_one_job`` instead of training alone.
 """
@@ -98,11 +99,70 @@ def accelerator_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def resolve_use_cpu(use_cpu: bool, *, env: Mapping[str, str]) -> bool:
-    """``use_cpu``, switched on for a multi-process launch on a machine without an accelerator (see the module
-    docstring). Also under DeepSpeed: without it accelerate counts a DeepSpeed job on the CPU as one process
-    (``PartialState`` finds no GPU backend) although DeepSpeed joined the processes."""
-    return use_cpu or (launcher_world_size(env) > 1 and not accelerator_available())
+def gpus_hidden(env: Mapping[str, str]) -> bool:
+    """True when the launch hides every GPU on purpose: ``CUDA_VISIBLE_DEVICES`` set and empty."""
+    return "CUDA_VISIBLE_DEVICES" in env and not env["CUDA_VISIBLE_DEVICES"].strip()
+
+
+def gpu_requests(bf16: bool | None, *, env: Mapping[str, str]) -> dict[str, str]:
+    """What asks this run for GPUs, each with the way to run without them: several processes (``WORLD_SIZE``),
+    ``bf16=True``, or the accelerate config's ``mixed_precision: bf16`` with ``bf16`` unset.
+
+    Args:
+        bf16: The configured ``bf16`` (None: unset).
+        env: The process environment.
+    """
+    requests = {}
+    processes = launcher_world_size(env)
+    if processes > 1:
+        requests[f"{processes} processes from the launcher"] = "one process, without a launcher (python train.py)"
+    if bf16:
+        requests["--bf16 True"] = "without --bf16 True (float32 on the CPU)"
+    elif bf16 is None and env.get("ACCELERATE_MIXED_PRECISION", "no").lower() == "bf16":
+        requests["the accelerate config's mixed_precision: bf16"] = "with a config whose mixed_precision is 'no'"
+    return requests
+
+
+def no_gpu_problem(bf16: bool | None, *, use_cpu: bool, env: Mapping[str, str]) -> str | None:
+    """Why a run that asks for GPUs (:func:`gpu_requests`) cannot start on this machine, or None.
+
+    A machine where torch sees no accelerator runs such a run on the CPU only when the user chose the CPU: ``use_cpu``
+    (``--use_cpu True``), or every GPU hidden (``CUDA_VISIBLE_DEVICES=``, :func:`gpus_hidden`). Without that choice
+    an 8-GPU config would start 8 CPU processes in bf16, and ``bf16=True`` alone would be refused by
+    ``TrainingArguments`` with a bare ``ValueError``: both get this one answer.
+
+    Args:
+        bf16: The configured ``bf16`` (None: unset).
+        use_cpu: The configured ``use_cpu``.
+        env: The process environment.
+    """
+    if use_cpu or gpus_hidden(env):
+        return None
+    requests = gpu_requests(bf16, env=env)
+    if not requests or accelerator_available():
+        return None
+    instead = next(iter(requests.values()))  # several processes first: one process also drops the launcher's bf16
+    return (
+        f"this run asks for GPUs ({'; '.join(requests)}) but torch sees none on this machine: pass --use_cpu True to "
+        f"train on the CPU anyway (slow), or run {instead}."
+    )
+
+
+def resolve_use_cpu(use_cpu: bool, *, env: Mapping[str, str], bf16: bool | None = None) -> bool:
+    """``use_cpu``, switched on on a machine without an accelerator for a run whose CPU use :func:`no_gpu_problem`
+    accepted: a multi-process launch (the processes form one gloo job), or bf16 with every GPU hidden
+    (``TrainingArguments`` takes bf16 on the CPU only with ``use_cpu``). Also under DeepSpeed: without it accelerate
+    counts a DeepSpeed job on the CPU as one process (``PartialState`` finds no GPU backend) although DeepSpeed joined
+    the processes.
+
+    Args:
+        use_cpu: The configured ``use_cpu``.
+        env: The process environment.
+        bf16: The configured ``bf16`` (None: unset).
+    """
+    if use_cpu or not gpu_requests(bf16, env=env):
+        return use_cpu
+    return not accelerator_available()
 
 
 def launch_problem(world_size: int, env: Mapping[str, str]) -> str | None:

@@ -15,6 +15,7 @@ the package implements (e.g. the loss fields ``loss_weights``, ``use_weighting``
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable
 
 from pair_dpo_trainer.errors import ConfigError
@@ -120,6 +121,29 @@ def reject_unsupported_options(
         lines = "\n".join(f"  - {text}" for _, text in problems)
         message = f"{where} got {len(problems)} unsupported option(s):\n{lines}"
         raise ConfigError("unsupported_option", message, problems=problems)
+
+
+def unknown_option_problems(names: Iterable[str], *, known: Iterable[str], prefix: str = "--") -> list[tuple[str, str]]:
+    """``("unknown_option", message)`` for each name that is not one of ``known``, naming the closest known name.
+
+    Args:
+        names: Option names as given (without the flag's ``--``).
+        known: Every option name the target takes.
+        prefix: How the names are written where they were given (``--`` for flags, ``""`` for file keys).
+
+    Example:
+        >>> unknown_option_problems(["learning_rat", "beta"], known=["learning_rate", "beta"])
+        [('unknown_option', '--learning_rat is not an option: did you mean --learning_rate?')]
+    """
+    choices = sorted(set(known))
+    problems = []
+    for name in names:
+        if name in choices:
+            continue
+        close = difflib.get_close_matches(name.replace("-", "_"), choices, n=1)
+        fix = f"did you mean {prefix}{close[0]}?" if close else "train.py --help lists every option."
+        problems.append(("unknown_option", f"{prefix}{name} is not an option: {fix}"))
+    return problems
 
 
 def config_field_names(cls: type) -> set[str]:

@@ -24,6 +24,7 @@ import errno
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 import uuid
@@ -450,6 +451,31 @@ def _in_use_message(path: Path, holder: LockHolder | None, why: str, kernel: str
         f"output_dir {path.parent} is in use by another run ({who}; lock file {path}): {state}. Two runs in one "
         f"output_dir overwrite each other's checkpoints, so this one refuses to start: {fix}."
     )
+
+
+def output_dir_problem(directory: str | os.PathLike[str]) -> str | None:
+    """Why this process cannot write the run's ``output_dir``, or None; checked before anything loads.
+
+    A file is created and removed in ``directory``, or, while it does not exist yet, in its nearest existing parent
+    (nothing else is created): a read-only directory or filesystem, another user's directory or a path through a file
+    fails here instead of in the first save, after the model loaded.
+    """
+    path = Path(os.path.abspath(directory))
+    existing = path
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"output_dir {path}: {existing} is a file, not a directory. Choose another --output_dir."
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".pair_dpo_write_probe.", dir=existing)
+    except OSError as error:
+        return (
+            f"output_dir {path} cannot be written ({existing}: {error.strerror or error}): the run saves its "
+            "checkpoints and model there. Make it writable for this user, or choose another --output_dir."
+        )
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def acquire_output_dir(directory: str | os.PathLike[str]) -> str | None:

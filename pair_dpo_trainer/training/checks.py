@@ -18,6 +18,7 @@ import torch
 
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import Problem, raise_problems
+from pair_dpo_trainer.fault_tolerance.lock import output_dir_problem
 from pair_dpo_trainer.losses.checks import loss_problems
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
@@ -26,6 +27,7 @@ from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
 from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
 from pair_dpo_trainer.training.layers import auto_checkpointing_problems
+from pair_dpo_trainer.training.metrics import report_to_problems
 
 
 def config_problems(args: PairDPOConfig) -> list[Problem]:
@@ -38,6 +40,10 @@ def config_problems(args: PairDPOConfig) -> list[Problem]:
     leaf_problem = zero3_leaf_modules_problem(args.zero3_leaf_modules)
     if leaf_problem is not None:
         problems.append(("bad_zero3_leaf_modules", leaf_problem))
+    problems.extend(report_to_problems(args.report_to))
+    output_dir = output_dir_problem(args.output_dir) if args.output_dir is not None else None
+    if output_dir is not None:
+        problems.append(("output_dir_unwritable", output_dir))
     return problems
 
 
@@ -47,7 +53,8 @@ def check_config(args: PairDPOConfig) -> None:
     Raises:
         ConfigError: the problem's own code, or ``invalid_config`` for several.
     """
-    raise_problems(config_problems(args), what="PairDPOConfig")
+    problems = config_problems(args)
+    raise_problems(problems, what="PairDPOConfig" if len(problems) > 1 else None)  # one problem: its own line
 
 
 @dataclass(frozen=True)

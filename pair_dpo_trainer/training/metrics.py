@@ -8,6 +8,7 @@ Details: docs/architecture.md, "Module notes", ``training/metrics.py``.
 
 from __future__ import annotations
 
+import difflib
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -148,3 +149,30 @@ class PairMetrics:
         self._pairs = 0
         self._unfolded_tokens = 0
         self._started = time.perf_counter()
+
+
+def report_to_problems(report_to: Sequence[str] | None) -> list[tuple[str, str]]:
+    """``report_to_unavailable`` for each logging integration of ``report_to`` (``TrainingArguments.report_to``, a list
+    once the config is built) that transformers does not know or whose package is not installed: the Trainer would
+    raise for it only once the model is loaded."""
+    from transformers.integrations.integration_utils import (
+        INTEGRATION_TO_CALLBACK,
+        get_available_reporting_integrations,
+    )
+
+    available = set(get_available_reporting_integrations())
+    problems = []
+    for name in report_to or ():
+        if name not in INTEGRATION_TO_CALLBACK:
+            close = difflib.get_close_matches(name, list(INTEGRATION_TO_CALLBACK), n=1)
+            fix = f"did you mean {close[0]!r}?" if close else f"one of {', '.join(sorted(INTEGRATION_TO_CALLBACK))}."
+            problems.append(("report_to_unavailable", f"report_to {name!r} is not a logging integration: {fix}"))
+        elif name not in available:
+            problems.append(
+                (
+                    "report_to_unavailable",
+                    f"report_to {name!r}: its package is not installed. Install it (pip install {name}), or drop it "
+                    "from --report_to (--report_to none logs to the console and trainer_state.json only).",
+                )
+            )
+    return problems
