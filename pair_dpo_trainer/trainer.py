@@ -72,7 +72,7 @@ from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problem
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
 from pair_dpo_trainer.training.metrics import PairMetrics
-from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard
+from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.resume_settings import (
@@ -183,6 +183,7 @@ class PairDPOTrainer(Trainer):
         self.reference_manager = self._reference_manager(model, ref_model, ds_plugin)
         self.run_guard = RunGuard()  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self.step_guard = NonFiniteStepGuard(args.max_nonfinite_grad_skips, loss_scaled=bool(args.fp16))
+        self.add_callback(self.step_guard)  # a step DeepSpeed discarded still steps the LR schedule
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
@@ -504,9 +505,10 @@ class PairDPOTrainer(Trainer):
         """HF's gradient norm of the step (global over the ranks); a non-finite one skips the optimizer step
         (``training.nonfinite``: one host read per optimizer step)."""
         grad_norm = super()._get_grad_norm(model, grad_norm)
-        applied = not self.accelerator.optimizer_step_was_skipped if self.is_deepspeed_enabled else None
+        deepspeed = self.is_deepspeed_enabled
+        engine_step = deepspeed_engine_step(self.accelerator, self.lr_scheduler) if deepspeed else None
         step = self.state.global_step + 1
-        self.step_guard.after_grad_norm(grad_norm, self.optimizer, step=step, applied_by_backend=applied)
+        self.step_guard.after_grad_norm(grad_norm, self.optimizer, step=step, engine_step=engine_step)
         return grad_norm
 
     def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:  # type: ignore[override]  # not a dict

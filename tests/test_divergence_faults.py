@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -117,20 +118,41 @@ def test_an_explicit_resume_of_an_older_step_moves_the_newer_checkpoints_aside_a
     assert any(not torch.equal(new_six[name], abandoned_weights[name]) for name in new_six)
 
 
+def _logged_learning_rates(checkpoint: Path) -> dict[int, float]:
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    return {e["step"]: e["learning_rate"] for e in state["log_history"] if "learning_rate" in e}
+
+
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_two_ranks_skip_the_same_non_finite_steps_and_stop_together(tmp_path):
-    """DDP: the gradients are all-reduced before the norm, so both ranks skip steps 2..11 and stop at step 12 with the
-    same reason; the skip counts agree at each save, and the published checkpoint is finite."""
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_two_ranks_skip_the_same_non_finite_steps_and_stop_together(tmp_path, layout):
+    """DDP: the gradients are all-reduced before the norm; ZeRO-3: DeepSpeed's optimizer discards the step whose
+    global norm is invalid and the skip is counted. Either way both ranks skip steps 2 and 3, keep the learning-rate
+    schedule going, and stop at step 4 with the same reason; the skip counts agree at each save, and the published
+    checkpoint is finite."""
+    deepspeed = {}
+    if layout == "zero3":
+        pytest.importorskip("deepspeed")
+        from tests.test_deepspeed import DS_CONFIG
+
+        deepspeed = {"deepspeed": DS_CONFIG}
+    steps = 8
     spec = run_spec(
-        tmp_path, "run", max_steps=12, save_steps=1, save_total_limit=1, learning_rate=BLOW_UP, ddp_timeout=60
-    )
-    codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
+        tmp_path, "run", max_steps=steps, save_steps=1, save_total_limit=1, learning_rate=BLOW_UP,
+        max_nonfinite_grad_skips=2, ddp_timeout=120, **deepspeed,
+    )  # fmt: skip
+    codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=400)
     assert codes == [1, 1], logs(tmp_path / "run")
     for rank in (0, 1):
         result = outcome(spec, rank)
-        assert result["reason_code"] == "nonfinite_gradients" and "step 12:" in result["message"], result
+        assert result["reason_code"] == "nonfinite_gradients" and "step 4:" in result["message"], result
     out = Path(spec["out"])
-    assert [step for step, _ in list_checkpoints(out)] == [11]
-    assert read_manifest(out / "checkpoint-11")["weights_finite"] is True
-    assert _all_finite(_weights(out / "checkpoint-11"))
+    assert [step for step, _ in list_checkpoints(out)] == [3]
+    manifest = read_manifest(out / "checkpoint-3")
+    assert manifest["weights_finite"] is True and manifest["nonfinite_grad_skips"] == 2
+    assert _logged_learning_rates(out / "checkpoint-3") == pytest.approx(
+        {k: BLOW_UP * (steps - k + 1) / steps for k in (1, 2, 3)}
+    )
+    if layout == "ddp":  # ZeRO-3 checkpoints hold the partitions under global_step*/, not model.safetensors
+        assert _all_finite(_weights(out / "checkpoint-3"))

@@ -9,8 +9,10 @@ compared across ranks at every checkpoint save (``ranks_disagree`` otherwise).
   ``step``) and the gradients are dropped; the LR scheduler still steps and ``global_step`` still advances, so the
   learning rate and the data of every step stay functions of the step number alone (a resumed or a skip-free run
   reaches step ``k`` with the same learning rate and the same pairs).
-- DeepSpeed (bf16 / fp32): its optimizer already discards a step whose global norm is invalid (``overflow``); that
-  skip is counted here the same way. A non-finite norm that DeepSpeed applied anyway stops the run at once.
+- DeepSpeed (bf16 / fp32): the engine steps inside the last backward and its optimizer discards a step whose global
+  norm is invalid (``overflow``); that skip is counted here the same way, and the LR scheduler, which neither the
+  engine nor the Trainer steps after a discarded step, is stepped. A non-finite norm that DeepSpeed applied anyway
+  stops the run at once.
 - fp16: the loss scaler skips overflowing steps and lowers the scale by design; those steps are not counted.
 """
 
@@ -18,7 +20,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
+from transformers import TrainerCallback
 
 from pair_dpo_trainer.errors import RunError
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
@@ -29,7 +36,44 @@ SKIPS_METRIC = "nonfinite_grad_skips"
 """The logged count of the run's optimizer steps skipped for a non-finite gradient norm (resumes continue it)."""
 
 
-class NonFiniteStepGuard:
+@dataclass(frozen=True)
+class EngineStep:
+    """A DeepSpeed optimizer step, already taken (or discarded) by its engine inside the last backward.
+
+    Attributes:
+        applied: The engine applied the step (False: its optimizer's overflow skip discarded it).
+        advance_schedule: Steps the engine's LR scheduler, which the engine skips on a discarded step.
+    """
+
+    applied: bool
+    advance_schedule: Callable[[], None]
+
+
+def deepspeed_engine_step(accelerator: Any, lr_scheduler: Any) -> EngineStep:
+    """The step the DeepSpeed engine of ``accelerator`` just took (read after its ``engine.step()``).
+
+    ``lr_scheduler``: the Trainer's; on a discarded step neither the engine (when it owns the scheduler) nor the Trainer
+    (it checks ``optimizer_step_was_skipped``) steps it, so :meth:`EngineStep.advance_schedule` steps the scheduler
+    that accelerate's wrapper holds, once. Metric-driven schedulers (``ReduceLROnPlateau``, ``GreedyLR``) step on
+    evaluations, not here."""
+    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    per_metric = (torch.optim.lr_scheduler.ReduceLROnPlateau, *_greedy_lr())
+
+    def advance_schedule() -> None:
+        if scheduler is not None and not isinstance(scheduler, per_metric):
+            scheduler.step()
+
+    return EngineStep(applied=not accelerator.optimizer_step_was_skipped, advance_schedule=advance_schedule)
+
+
+def _greedy_lr() -> tuple[type, ...]:
+    from transformers import optimization
+
+    greedy = getattr(optimization, "GreedyLR", None)  # in the transformers releases that have it
+    return (greedy,) if isinstance(greedy, type) else ()
+
+
+class NonFiniteStepGuard(TrainerCallback):
     """Skips the optimizer steps whose gradient norm is not finite, counts them, and stops the run past a limit.
 
     Args:
@@ -43,20 +87,21 @@ class NonFiniteStepGuard:
         self.loss_scaled = loss_scaled
         self.skips = 0
         self._skip_next_step = False
+        self._advance_schedule: Callable[[], None] | None = None
 
     def reset(self, skips: int = 0) -> None:
         """A ``train()`` call starts from the resumed checkpoint's count (``skips``; 0 on a fresh start)."""
-        self.skips, self._skip_next_step = skips, False
+        self.skips, self._skip_next_step, self._advance_schedule = skips, False, None
 
-    def after_grad_norm(self, grad_norm: Any, optimizer: Any, *, step: int, applied_by_backend: bool | None) -> None:
+    def after_grad_norm(self, grad_norm: Any, optimizer: Any, *, step: int, engine_step: EngineStep | None) -> None:
         """Decides the optimizer step of ``step`` from its gradient norm (a 0-d tensor or a float; one host read).
 
         Args:
             grad_norm: The global gradient norm of the step (before clipping).
             optimizer: The Trainer's (prepared) optimizer, whose ``step`` is gated.
             step: The 1-based number of the optimizer step being decided (messages only).
-            applied_by_backend: DeepSpeed: whether its engine already applied the step (False: its own overflow
-                skip); None when ``optimizer.step()`` is still to come.
+            engine_step: DeepSpeed: the step its engine already took or discarded (a discarded one is counted and
+                its LR scheduler stepped); None when ``optimizer.step()`` is still to come.
 
         Raises:
             RunError: ``nonfinite_gradients`` once more than ``limit`` steps were skipped, or when DeepSpeed applied
@@ -67,7 +112,7 @@ class NonFiniteStepGuard:
         norm = float(grad_norm)  # the one host read of the step (HF reads it again when it logs)
         if math.isfinite(norm):
             return
-        if applied_by_backend:
+        if engine_step is not None and engine_step.applied:
             raise RunError(
                 "nonfinite_gradients",
                 f"step {step}: the gradient norm is {norm} and DeepSpeed applied the step anyway (its optimizer "
@@ -76,10 +121,12 @@ class NonFiniteStepGuard:
                 "max_grad_norm.",
             )
         self.skips += 1
-        if applied_by_backend is None:
+        if engine_step is None:
             self._gate(optimizer)
             self._skip_next_step = True
             optimizer.zero_grad(set_to_none=True)
+        else:
+            self._advance_schedule = engine_step.advance_schedule  # at the step's end, after the Trainer read the LR
         if self.skips > self.limit:
             raise RunError(
                 "nonfinite_gradients",
@@ -97,6 +144,13 @@ class NonFiniteStepGuard:
             self.skips,
             self.limit,
         )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        """A step DeepSpeed discarded: its LR scheduler steps now, as after an applied step."""
+        advance, self._advance_schedule = self._advance_schedule, None
+        if advance is not None:
+            advance()
+        return control
 
     def check_ranks_agree(self) -> None:
         """Every rank skipped the same steps (a collective: every rank calls it, at each checkpoint save)."""
