@@ -38,7 +38,6 @@ from pair_dpo_trainer.data.token_ids import input_vocab_size
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
-from pair_dpo_trainer.fault_tolerance.checkpoint import recorded_nonfinite_grad_skips
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
@@ -276,7 +275,7 @@ class PairDPOTrainer(Trainer):
         """
         options = GuardOptions.from_args(self.args, resume_settings(self.args, self.processing_class))
         with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
-            self.step_guard.reset(recorded_nonfinite_grad_skips(resume_from_checkpoint))  # the run's count goes on
+            self.step_guard.reset(self.run_guard.resumed_nonfinite_grad_skips())  # the run's count goes on
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
             if resume_from_checkpoint:
                 self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean

@@ -5,7 +5,7 @@
 - ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
   outcome; every node must see it), ``ddp_timeout`` on every process group, the resume checkpoint resolved
   (``latest`` / ``auto``), staged leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary
-  callback installed; on the way out a preemption becomes
+  callback installed (at ``on_train_begin`` an explicit resume of an older step moves the newer checkpoints aside); on the way out a preemption becomes
   :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that timed out or lost its
   peer becomes ``collective_timeout`` / ``peer_lost``, naming the lost ranks and their hosts.
 - ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
@@ -33,6 +33,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     checkpoint_step,
     clear_leftovers,
     move_aside,
+    recorded_nonfinite_grad_skips,
     save_checkpoint_atomically,
 )
 from pair_dpo_trainer.fault_tolerance.checkpoint_trust import verify_resume_checkpoint
@@ -211,6 +212,10 @@ class RunGuard:
             nonfinite_grad_skips=nonfinite_grad_skips,
         )
         return save_checkpoint_atomically(trainer, trial, write, request)
+
+    def resumed_nonfinite_grad_skips(self) -> int:
+        """The count of skipped non-finite steps the resumed checkpoint records (0 on a fresh start)."""
+        return recorded_nonfinite_grad_skips(self.resume_checkpoint)
 
     def _protected(self, step: int) -> tuple[str, ...]:
         """The resumed checkpoint while no newer checkpoint of this line exists (rotation keeps it)."""
