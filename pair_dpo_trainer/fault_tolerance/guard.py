@@ -5,7 +5,8 @@
 - ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
   outcome; every node must see it), ``ddp_timeout`` on every process group, the resume checkpoint resolved
   (``latest`` / ``auto``), staged leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary
-  callback installed (at ``on_train_begin`` an explicit resume of an older step moves the newer checkpoints aside); on the way out a preemption becomes
+  callback installed (its ``on_train_begin`` moves the newer checkpoints aside after an explicit resume of an older
+  step); on the way out a preemption becomes
   :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that timed out or lost its
   peer becomes ``collective_timeout`` / ``peer_lost``, naming the lost ranks and their hosts.
 - ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
