@@ -71,6 +71,7 @@ from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problem
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
 from pair_dpo_trainer.training.metrics import PairMetrics
+from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.resume_settings import (
@@ -180,6 +181,8 @@ class PairDPOTrainer(Trainer):
         self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3, peft=peft)
         self.reference_manager = self._reference_manager(model, ref_model, ds_plugin)
         self.run_guard = RunGuard()  # output-dir lock, collective timeouts, preemption, atomic checkpoints
+        self.step_guard = NonFiniteStepGuard(args.max_nonfinite_grad_skips, loss_scaled=bool(args.fp16))
+        self.add_callback(self.step_guard)  # a step DeepSpeed discarded still steps the LR schedule
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
@@ -272,6 +275,7 @@ class PairDPOTrainer(Trainer):
         """
         options = GuardOptions.from_args(self.args, resume_settings(self.args, self.processing_class))
         with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
+            self.step_guard.reset(self.run_guard.resumed_nonfinite_grad_skips())  # the run's count goes on
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
             if resume_from_checkpoint:
                 self.objective_runtime.resume(resume_from_checkpoint)  # BCO's running reward mean
@@ -395,6 +399,7 @@ class PairDPOTrainer(Trainer):
         synced reference and the objective's state are written into the staged directory with the Trainer's files.
         ``num_tokens`` is folded into the state first (it is in ``trainer_state.json``)."""
         self._metrics["train"].fold_tokens(self.args.device, self.state)
+        self.step_guard.check_ranks_agree()
         identity = self.reference_manager.checkpoint_identity()  # every rank: re-identified after a TR-DPO sync
         save = functools.partial(super()._save_checkpoint, model, trial)
 
@@ -405,7 +410,8 @@ class PairDPOTrainer(Trainer):
                 self.reference_manager.write_synced_weights(folder)
                 self.objective_runtime.save(folder)
 
-        self.run_guard.save_checkpoint(self, trial, write, identity=identity)
+        skips = self.step_guard.skips
+        self.run_guard.save_checkpoint(self, trial, write, identity=identity, nonfinite_grad_skips=skips)
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self) -> DataLoader:
@@ -494,6 +500,16 @@ class PairDPOTrainer(Trainer):
             )
         return super().training_step(model, inputs, num_items_in_batch)
 
+    def _get_grad_norm(self, model, grad_norm=None):
+        """HF's gradient norm of the step (global over the ranks); a non-finite one skips the optimizer step
+        (``training.nonfinite``: one host read per optimizer step)."""
+        grad_norm = super()._get_grad_norm(model, grad_norm)
+        deepspeed = self.is_deepspeed_enabled
+        engine_step = deepspeed_engine_step(self.accelerator, self.lr_scheduler) if deepspeed else None
+        step = self.state.global_step + 1
+        self.step_guard.after_grad_norm(grad_norm, self.optimizer, step=step, engine_step=engine_step)
+        return grad_norm
+
     def _prepare_inputs(self, inputs: PackedPairBatch) -> PackedPairBatch:  # type: ignore[override]  # not a dict
         """The batch on the device, with LD-DPO token weights when ``ld_alpha`` is set (device ops, no sync)."""
         return with_length_desensitization(inputs.to(self.args.device, non_blocking=True), self.args.ld_alpha)
@@ -576,6 +592,7 @@ class PairDPOTrainer(Trainer):
             train_metrics = self._metrics["train"].reduce(self.args.device, totals=self.state)
             train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
             logs.update(train_metrics)
+            logs[SKIPS_METRIC] = self.step_guard.skips
         super().log(logs, start_time)
 
 

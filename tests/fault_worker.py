@@ -8,7 +8,8 @@ specs trained one after the other in this process. Each spec has:
 - ``out`` (output_dir); ``result``: each rank writes its outcome to ``<result>.rank<R>.json``, plus
   ``<result>.rank<R>.pt`` (final parameters, logged losses) when the run ends normally;
 - ``max_steps``, ``save_steps``, ``save_total_limit``, ``num_pairs``, ``data_seed``, ``seed``, ``ga``,
-  ``ddp_timeout``, ``reference_free``, ``deepspeed`` (a DeepSpeed config dict), ``resume`` (passed to ``train``),
+  ``learning_rate`` (default 1e-2), ``max_nonfinite_grad_skips``, ``ddp_timeout``, ``reference_free``,
+  ``deepspeed`` (a DeepSpeed config dict), ``resume`` (passed to ``train``),
   ``gpu`` (one CUDA device per rank, NCCL, when there is CUDA), ``use_cpu``;
 - ``step_sleep`` (seconds per step, so a test can signal a run mid-way), ``progress`` (a file each rank appends
   ``rank step time`` to after every step), ``hold_until`` (after step 1, wait until that file exists);
@@ -175,7 +176,7 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
         max_steps=spec.get("max_steps", 8),
         per_device_train_batch_size=GLOBAL_PAIRS // (world * ga),
         gradient_accumulation_steps=ga,
-        learning_rate=1e-2,
+        learning_rate=spec.get("learning_rate", 1e-2),
         max_grad_norm=0.0,
         save_strategy="steps",
         save_steps=spec.get("save_steps", 2),
@@ -185,6 +186,8 @@ def build(spec: dict[str, Any]) -> PairDPOTrainer:
         reference_free=spec.get("reference_free", False),
         allow_unpinned_reference=not spec.get("reference_free", False),
     )
+    if "max_nonfinite_grad_skips" in spec:
+        options["max_nonfinite_grad_skips"] = spec["max_nonfinite_grad_skips"]
     if spec.get("deepspeed"):
         options["deepspeed"] = spec["deepspeed"]
     if spec.get("workers"):

@@ -89,6 +89,8 @@ def test_defaults_are_valid_and_pair_friendly(tmp_path):
         ({"ddp_timeout": 0}, "bad_timeout"),
         ({"ddp_timeout": -1}, "bad_timeout"),
         ({"ddp_timeout": math.nan}, "bad_timeout"),
+        ({"max_nonfinite_grad_skips": -1}, "bad_nonfinite_skips"),
+        ({"max_nonfinite_grad_skips": 1.5}, "bad_nonfinite_skips"),
     ],
 )
 def test_invalid_values_raise_with_reason_code(tmp_path, kwargs, code):

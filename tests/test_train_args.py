@@ -33,6 +33,7 @@ REAL = {
     "report_to": "none",
     "eval_strategy": "steps",
     "eval_steps": 7,
+    "max_nonfinite_grad_skips": 3,
     "use_cpu": True,
 }
 
@@ -57,6 +58,7 @@ def test_yaml_json_and_flags_give_identical_training_arguments(tmp_path, kind):
     flags, from_yaml, from_json = _parsed_three_ways(tmp_path, values)
     assert flags == from_yaml == from_json
     assert flags["args"]["learning_rate"] == (5e-7 if kind == "real" else 2e-3)
+    assert flags["args"]["max_nonfinite_grad_skips"] == (3 if kind == "real" else 10)
 
 
 def test_a_real_run_keeps_pair_dpo_config_defaults_not_the_demo_settings(tmp_path):

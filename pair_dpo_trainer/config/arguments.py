@@ -358,6 +358,16 @@ class PairDPOConfig(TrainingArguments):
             "all-gathers in its forward, a whole copy per GPU). None: shard it like the policy."
         },
     )
+    max_nonfinite_grad_skips: int = field(
+        default=10,
+        metadata={
+            "help": "Optimizer steps whose gradient norm is NaN/inf are not applied (the weights and optimizer state "
+            "stay as they are; the step still counts, so the learning-rate schedule and the data of every step stay "
+            "the same) and are counted in the logs as nonfinite_grad_skips; past this many in one train() call the "
+            "run stops with 'nonfinite_gradients'. 0: stop at the first. fp16 runs leave overflowing steps to the "
+            "loss scaler."
+        },
+    )
     allow_resume_data_mismatch: bool = field(
         default=False,
         metadata={
@@ -458,6 +468,7 @@ class PairDPOConfig(TrainingArguments):
             *self._memory_problems(),
             *self._data_problems(),
             *self._timeout_problems(),
+            *self._divergence_problems(),
         ]
 
     def _objective_value_problems(self) -> list[Problem]:
@@ -626,6 +637,17 @@ class PairDPOConfig(TrainingArguments):
             "its peers (the default: 1800)."
         )
         return [("bad_timeout", message)]
+
+    def _divergence_problems(self) -> list[Problem]:
+        """``max_nonfinite_grad_skips``: a count of skipped optimizer steps (``training.nonfinite``)."""
+        if _is_count(self.max_nonfinite_grad_skips, 0):
+            return []
+        message = (
+            f"max_nonfinite_grad_skips={self.max_nonfinite_grad_skips!r} (--max_nonfinite_grad_skips): set an "
+            "integer >= 0, how many optimizer steps with a NaN/inf gradient norm may be skipped before the run "
+            "stops (0: stop at the first; default 10)."
+        )
+        return [("bad_nonfinite_skips", message)]
 
     def _length_problems(self) -> list[Problem]:
         problems: list[Problem] = []

@@ -17,12 +17,14 @@ import json
 import logging
 import os
 import shutil
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pair_dpo_trainer.atomic import atomic_open, disk_full, disk_space, fsync_dir, fsync_tree, space_text
@@ -37,6 +39,8 @@ MANIFEST_FILENAME = "pair_dpo_checkpoint.json"
 MANIFEST_FORMAT = 2
 STAGING_DIRNAME = ".pair_dpo_staging"
 TRASH_PREFIX = ".pair_dpo_trash-"
+ABANDONED_PREFIX = "abandoned-"
+"""Newer checkpoints moved aside by an explicit resume of an older one: ``abandoned-checkpoint-N-<UTC time>``."""
 
 
 @dataclass(frozen=True)
@@ -47,11 +51,17 @@ class SaveRequest:
         identity: The reference identity to write inside (None when reference-free).
         schedule_fingerprint: The train schedule's fingerprint (``PairBatchSampler.schedule_fingerprint(0)``).
         settings: The run's data and objective settings, compared on resume (``resume.check_resumed_settings``).
+        protect: Checkpoints rotation must keep besides the new one and the best one (the resumed checkpoint until
+            a newer one of its line exists).
+        nonfinite_grad_skips: The optimizer steps of the run skipped so far for a non-finite gradient norm
+            (``training/nonfinite.py``); a resume continues the count.
     """
 
     identity: Any
     schedule_fingerprint: str | None
     settings: Any = None
+    protect: tuple[Any, ...] = ()
+    nonfinite_grad_skips: int = 0
 
 
 def staging_root(run_dir: str | os.PathLike[str]) -> Path:
@@ -84,6 +94,12 @@ def read_manifest(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
 
 
+def recorded_nonfinite_grad_skips(checkpoint: str | os.PathLike[str] | None) -> int:
+    """The count of skipped non-finite steps ``checkpoint`` records (0: none recorded, or no checkpoint)."""
+    value = (read_manifest(checkpoint) or {}).get("nonfinite_grad_skips") if checkpoint is not None else None
+    return value if isinstance(value, int) and value >= 0 else 0
+
+
 def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     """Why ``checkpoint`` is not a complete checkpoint, or None when it is one."""
     path = Path(checkpoint)
@@ -95,6 +111,8 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
             f"no readable {MANIFEST_FILENAME} (an interrupted save, a save by an older pair_dpo_trainer, or another "
             "trainer's checkpoint)"
         )
+    if manifest.get("weights_finite") is False:
+        return "its manifest records weights that are not finite"
     for name, size in manifest["files"].items():
         try:
             actual = (path / name).stat().st_size
@@ -118,12 +136,14 @@ def save_checkpoint_atomically(trainer: Any, trial: Any, write: Callable[[], Non
         The published ``checkpoint-N`` directory.
 
     Raises:
-        CheckpointError: ``disk_full`` (the filesystem of ``output_dir`` filled up) or ``save_failed`` (another rank
-            failed: its error is in its log); any other error of the failing rank itself. Nothing partial is visible.
+        CheckpointError: ``nonfinite_weights`` (a weight of some rank is NaN/inf: nothing is written),
+            ``disk_full`` (the filesystem of ``output_dir`` filled up) or ``save_failed`` (another rank failed: its
+            error is in its log); any other error of the failing rank itself. Nothing partial is visible.
     """
     args = trainer.args
     run_dir = Path(trainer._get_output_dir(trial=trial))
     name = f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}"
+    check_weights_finite(trainer.model, name)
     staged, final = staging_root(run_dir) / name, run_dir / name
     stages: list[tuple[str, Callable[[], None], bool]] = [
         ("write", lambda: _write_staged(trainer, trial, write, staged, final, request), True),
@@ -179,6 +199,8 @@ def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> N
         "reference_identity": None if request.identity is None else IDENTITY_FILENAME,
         "schedule_fingerprint": request.schedule_fingerprint,
         "resume_settings": request.settings,
+        "weights_finite": True,  # check_weights_finite ran on every rank before the write
+        "nonfinite_grad_skips": request.nonfinite_grad_skips,
         "files": files,
     }
     with atomic_open(staged / MANIFEST_FILENAME) as f:
@@ -194,7 +216,8 @@ def _publish(staged: Path, final: Path, request: SaveRequest, trainer: Any) -> N
         staged.parent.rmdir()  # the staging directory exists only while a save is in flight
     if trash is not None:
         shutil.rmtree(trash, ignore_errors=True)
-    rotate_checkpoints(final.parent, trainer.args.save_total_limit, keep=(final, trainer.state.best_model_checkpoint))
+    keep = (final, trainer.state.best_model_checkpoint, *request.protect)
+    rotate_checkpoints(final.parent, trainer.args.save_total_limit, keep=keep)
 
 
 def rotate_checkpoints(run_dir: Path, limit: int | None, *, keep: tuple[Any, ...]) -> list[Path]:
@@ -220,6 +243,59 @@ def rotate_checkpoints(run_dir: Path, limit: int | None, *, keep: tuple[Any, ...
         shutil.rmtree(trash, ignore_errors=True)
         deleted.append(path)
     return deleted
+
+
+def check_weights_finite(model: torch.nn.Module, name: str) -> None:
+    """Refuses to save ``name`` unless every weight of every rank is finite (one reduction and one host read per rank
+    per save, then one CPU all-gather). Every rank calls it.
+
+    Raises:
+        CheckpointError: ``nonfinite_weights`` on every rank.
+    """
+    finite = bool(local_weights_finite(model.parameters()))
+    bad_ranks = [rank for rank, ok in enumerate(all_gather_cpu(finite)) if not ok]
+    if not bad_ranks:
+        return
+    raise CheckpointError(
+        "nonfinite_weights",
+        f"{name} was not saved: the weights held by rank(s) {bad_ranks} contain NaN/inf (the training diverged), and "
+        "a checkpoint of them could never be resumed. The earlier checkpoints are intact: resume the last one "
+        "(--resume_from_checkpoint latest) with a lower learning_rate, a max_grad_norm or a warmup.",
+    )
+
+
+def local_weights_finite(parameters: Any) -> torch.Tensor:
+    """Whether every parameter this rank holds is finite: a 0-d bool tensor (device ops only, no host read).
+
+    A ZeRO-3 parameter is read through its local partition (``ds_tensor``), an FSDP2 DTensor through its local shard:
+    each rank checks what it holds and nothing is gathered.
+    """
+    flags = [torch.isfinite(_held(p)).all() for p in parameters]
+    if not flags:
+        return torch.tensor(True)
+    return torch.stack([flag.to(flags[0].device) for flag in flags]).all()
+
+
+def _held(parameter: torch.Tensor) -> torch.Tensor:
+    partition = getattr(parameter, "ds_tensor", None)
+    if partition is not None:
+        return partition
+    to_local = getattr(parameter, "to_local", None)
+    return to_local() if callable(to_local) else parameter.detach()
+
+
+def move_aside(paths: list[Path]) -> list[Path]:
+    """Renames each checkpoint to ``abandoned-checkpoint-N-<UTC time>`` beside it (``latest`` / ``auto`` and rotation
+    see only ``checkpoint-N`` names; nothing is deleted); returns the new paths. Main process only."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    moved = []
+    for path in paths:
+        target = path.with_name(f"{ABANDONED_PREFIX}{path.name}-{stamp}")
+        os.rename(path, target)
+        moved.append(target)
+    if moved:
+        fsync_dir(moved[0].parent)
+    return moved
 
 
 def clear_leftovers(run_dir: str | os.PathLike[str]) -> list[Path]:

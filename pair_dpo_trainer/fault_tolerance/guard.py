@@ -5,7 +5,8 @@
 - ``train()`` runs inside :meth:`RunGuard.session`: the output-dir lock (main process; every rank learns the
   outcome; every node must see it), ``ddp_timeout`` on every process group, the resume checkpoint resolved
   (``latest`` / ``auto``), staged leftovers of an interrupted run removed, the SIGTERM handler and the step-boundary
-  callback installed; on the way out a preemption becomes
+  callback installed (its ``on_train_begin`` moves the newer checkpoints aside after an explicit resume of an older
+  step); on the way out a preemption becomes
   :class:`~pair_dpo_trainer.fault_tolerance.preemption.TrainingPreempted` and a collective that timed out or lost its
   peer becomes ``collective_timeout`` / ``peer_lost``, naming the lost ranks and their hosts.
 - ``get_train_dataloader()`` passes the schedule fingerprint to :meth:`RunGuard.check_schedule` (compared with the
@@ -30,7 +31,10 @@ from pair_dpo_trainer.errors import Preempted, RunError
 from pair_dpo_trainer.fault_tolerance.checkpoint import (
     SaveRequest,
     checkpoint_problem,
+    checkpoint_step,
     clear_leftovers,
+    move_aside,
+    recorded_nonfinite_grad_skips,
     save_checkpoint_atomically,
 )
 from pair_dpo_trainer.fault_tolerance.checkpoint_trust import verify_resume_checkpoint
@@ -43,7 +47,13 @@ from pair_dpo_trainer.fault_tolerance.preemption import (
     clear_marker,
     stop_process_group,
 )
-from pair_dpo_trainer.fault_tolerance.resume import check_resumed_schedule, check_resumed_settings, resolve_resume
+from pair_dpo_trainer.fault_tolerance.resume import (
+    check_resumed_schedule,
+    check_resumed_settings,
+    is_explicit,
+    newer_checkpoints,
+    resolve_resume,
+)
 from pair_dpo_trainer.fault_tolerance.shared_dir import NodeView, check_output_dir_shared
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree, is_multiprocess
 from pair_dpo_trainer.parallel.collectives import (
@@ -104,6 +114,8 @@ class RunGuard:
         self.options = GuardOptions(output_dir=".", ddp_timeout=1800.0)
         self.preemption = PreemptionHandler()
         self.resume_checkpoint: str | None = None
+        self.abandoned: list[Path] = []  # newer checkpoints an explicit resume moved aside (main process)
+        self._to_abandon: list[Path] = []
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
         self._roll_call: RollCall | None = None
@@ -187,12 +199,46 @@ class RunGuard:
                 warn=self._is_main,
             )
 
-    def save_checkpoint(self, trainer: Any, trial: Any, write: Callable[[], None], *, identity: Any) -> Path:
-        """The Trainer's save (``write``), made atomic (see ``fault_tolerance/checkpoint.py``). Every rank calls it."""
+    def save_checkpoint(
+        self, trainer: Any, trial: Any, write: Callable[[], None], *, identity: Any, nonfinite_grad_skips: int = 0
+    ) -> Path:
+        """The Trainer's save (``write``), made atomic (see ``fault_tolerance/checkpoint.py``). Every rank calls it.
+
+        ``nonfinite_grad_skips``: the run's count of skipped non-finite steps, recorded for a resume to continue."""
         request = SaveRequest(
-            identity=identity, schedule_fingerprint=self.schedule_fingerprint, settings=self.options.resume_settings
+            identity=identity,
+            schedule_fingerprint=self.schedule_fingerprint,
+            settings=self.options.resume_settings,
+            protect=self._protected(trainer.state.global_step),
+            nonfinite_grad_skips=nonfinite_grad_skips,
         )
         return save_checkpoint_atomically(trainer, trial, write, request)
+
+    def resumed_nonfinite_grad_skips(self) -> int:
+        """The count of skipped non-finite steps the resumed checkpoint records (0 on a fresh start)."""
+        return recorded_nonfinite_grad_skips(self.resume_checkpoint)
+
+    def _protected(self, step: int) -> tuple[str, ...]:
+        """The resumed checkpoint while no newer checkpoint of this line exists (rotation keeps it)."""
+        resumed = self.resume_checkpoint
+        resumed_step = None if resumed is None else checkpoint_step(Path(resumed))
+        return (resumed,) if resumed is not None and (resumed_step is None or step <= resumed_step) else ()
+
+    def abandon_newer_checkpoints(self) -> None:
+        """Before the first step of an explicit resume of an older step: the output directory's newer checkpoints
+        (the abandoned line) are renamed ``abandoned-checkpoint-N-<time>``, so that ``latest`` / ``auto`` and
+        rotation never take them for this line's; listed in the log. Main process (the one that saves)."""
+        pending, self._to_abandon = self._to_abandon, []
+        if not pending or not self._is_main:
+            return
+        self.abandoned = move_aside(pending)
+        listing = ", ".join(f"{old.name} -> {new.name}" for old, new in zip(pending, self.abandoned, strict=True))
+        logger.warning(
+            "resuming %s, an older step than the newest checkpoint: the newer checkpoints of the abandoned run are "
+            "moved aside so that latest/auto never resume them (rename one back to resume it): %s",
+            self.resume_checkpoint,
+            listing,
+        )
 
     # ------------------------------------------------------------------ internals
     def _lock(self, trainer: Any) -> None:
@@ -233,6 +279,9 @@ class RunGuard:
         resume = resolve_resume(resume_from_checkpoint, self._output_dir, warn=self._is_main)
         if self._is_main:
             clear_leftovers(self._output_dir)
+        self._to_abandon = []
+        if resume is not None and self._is_main and is_explicit(resume_from_checkpoint):
+            self._to_abandon = newer_checkpoints(self._output_dir, resume)  # moved aside once training starts
         assert_ranks_agree("checkpoint to resume from", str(resume))
         if resume is not None:  # before anything of it is unpickled or loaded
             verify_resume_checkpoint(resume, is_main=self._is_main)
@@ -305,6 +354,7 @@ class _GuardCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         apply_collective_timeout(args.ddp_timeout)
+        self.guard.abandon_newer_checkpoints()  # the resumed checkpoint passed every check and is loaded
         self.guard.preemption.start_recording()  # the loop: finish the step, agree, save
         return control
 

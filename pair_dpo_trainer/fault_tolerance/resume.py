@@ -18,6 +18,7 @@ from pair_dpo_trainer.errors import CheckpointError
 from pair_dpo_trainer.fault_tolerance.checkpoint import (
     MANIFEST_FILENAME,
     checkpoint_problem,
+    checkpoint_step,
     list_checkpoints,
     read_manifest,
     staged_leftovers,
@@ -89,6 +90,25 @@ def _explicit(path: str, *, warn: bool) -> str:
         f"resume_from_checkpoint={path!r} is incomplete: {problem}. Resume from an earlier checkpoint, or use "
         "'latest' (the newest complete one).",
     )
+
+
+def is_explicit(value: str | bool | None) -> bool:
+    """Whether ``resume_from_checkpoint`` names a checkpoint directory (not ``latest`` / ``auto`` / no resume)."""
+    if not isinstance(value, str):
+        return False
+    word = value.strip().lower()
+    return word not in (*LATEST, AUTO, *NO_RESUME)
+
+
+def newer_checkpoints(output_dir: str | os.PathLike[str], resumed: str) -> list[Path]:
+    """The ``checkpoint-N`` directories of ``output_dir`` (complete or not) newer than the ``resumed`` checkpoint: the
+    line an explicit resume of an older step abandons (``latest`` / ``auto`` would otherwise pick them up again)."""
+    step = checkpoint_step(Path(resumed))
+    if step is None:
+        step = (read_manifest(resumed) or {}).get("step")
+    if not isinstance(step, int):
+        return []
+    return [path for n, path in list_checkpoints(output_dir) if n > step]
 
 
 def latest_complete_checkpoint(output_dir: str | os.PathLike[str], *, warn: bool = True) -> str | None:
