@@ -135,3 +135,39 @@ def test_help_lists_the_dpo_options_first_without_importing_the_trainer_or_peft(
     assert lines[1].split()[0] == "--model_name_or_path" and any(line.split()[:1] == ["--beta"] for line in lines[:10])
     assert "HEAVY []" in lines
     assert any(line.lstrip().startswith("--learning_rate") for line in lines)  # every option still follows
+
+
+def _small_file(tmp_path: Path, n: int) -> Path:
+    from pair_dpo_trainer.demo import bundled_pairs_path
+
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(bundled_pairs_path().read_text(encoding="utf-8").splitlines(True)[:n]), encoding="utf-8")
+    return path
+
+
+def test_too_few_pairs_after_the_eval_split_names_the_split_and_eval_size(tmp_path, capsys):
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ScheduleError
+
+    argv = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(_small_file(tmp_path, 150))]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none", "--eval_size", "146"]
+    with pytest.raises(ScheduleError) as info:  # raised before the model or the tokenizer loads
+        train.main(argv)
+    assert info.value.reason_code == "too_few_pairs"
+    message = info.value.message
+    assert message.startswith("the dataset has 4 rows for training (146 held out for evaluation by --eval_size 146)")
+    assert "lower --eval_size (0: none)" in message and "per_device_train_batch_size" in message
+    assert (
+        "train.py: " + str(tmp_path / "small.jsonl") + ": 150 rows: 4 for training, 146 held out"
+        in capsys.readouterr().out
+    )
+
+
+def test_eval_size_takes_a_count_or_auto_and_the_demo_keeps_its_200(tmp_path):
+    _, data, _ = train.parse_args(["--output_dir", str(tmp_path), "--use_cpu", "true"])
+    assert data.eval_size == 200
+    _, data, _ = train.parse_args(["--model_name_or_path", "m", "--dataset", "d.jsonl", "--output_dir", str(tmp_path)])
+    assert data.eval_size == "auto"
+    with pytest.raises(ConfigError) as info:
+        train.parse_args(["--model_name_or_path", "m", "--dataset", "d.jsonl", "--eval_size", "5%"])
+    assert info.value.reason_code == "bad_args" and "--eval_size='5%'" in info.value.message
