@@ -171,3 +171,24 @@ def test_eval_size_takes_a_count_or_auto_and_the_demo_keeps_its_200(tmp_path):
     with pytest.raises(ConfigError) as info:
         train.parse_args(["--model_name_or_path", "m", "--dataset", "d.jsonl", "--eval_size", "5%"])
     assert info.value.reason_code == "bad_args" and "--eval_size='5%'" in info.value.message
+
+
+def test_too_few_pairs_from_a_prepared_directory_names_its_rejections_and_eval_split(tmp_path):
+    from pair_dpo_trainer.cli import main as cli_main
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ScheduleError
+
+    source = _small_file(tmp_path, 12)
+    source.write_text(source.read_text(encoding="utf-8") + "{not json\n" + '{"prompt": "p"}\n', encoding="utf-8")
+    prepared = tmp_path / "prepared"
+    argv = ["prepare-data", str(source), "--output", str(prepared), "--tokenizer", str(bundled_model_dir())]
+    assert cli_main([*argv, "--eval-size", "4", "--disable-tqdm"]) == 0
+    run = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(prepared), "--use_cpu", "true"]
+    with pytest.raises(ScheduleError) as info:  # 8 train pairs left; the step needs 16
+        train.main([*run, "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "16"])
+    message = info.value.message
+    assert message.startswith(
+        "the dataset has 8 rows for training (2 rejected by prepare-data (bad_json: 1, schema: 1); 4 held out for "
+        "evaluation by prepare-data --eval-size 4)"
+    )
+    assert "lower prepare-data --eval-size (0: none)" in message and "fix the rejected rows" in message
