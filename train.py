@@ -46,6 +46,8 @@ DEMO_DEFAULTS = {
     "report_to": "none",
     "seed": 0,
 }
+DEMO_EVAL_SIZE = 200
+"""Pairs the demo holds out of its 2,400 with ``--eval_size auto`` (a user's file: ``splits.resolve_eval_size``)."""
 NO_EVAL_DEMO_DEFAULTS = {**DEMO_DEFAULTS, "eval_strategy": "no", "eval_on_start": False}
 """The demo's defaults with ``--eval_size 0``: no eval pairs, so the demo's evaluation defaults fall away with them (an
 evaluation asked for explicitly is refused: ``no_eval_dataset``)."""
@@ -74,8 +76,13 @@ class DataArguments:
             "and --model_name_or_path unset for the bundled demo run."
         },
     )
-    eval_size: int = field(
-        default=200, metadata={"help": "Pairs held out for evaluation when `dataset` is a single file (0: none)."}
+    eval_size: str = field(
+        default="auto",
+        metadata={
+            "help": "Pairs held out for evaluation when `dataset` is a single file: a number (0: none), or auto: "
+            "5 percent of the pairs, at most 200, none when that is under 16 (the demo holds out 200). The run prints "
+            "what was held out."
+        },
     )
 
 
@@ -164,7 +171,9 @@ def _raise_unknown(problems: list[tuple[str, str]], *, where: str | None = None)
 
 def _demo_defaults(eval_size: Any) -> dict[str, Any]:
     """:data:`DEMO_DEFAULTS`, or :data:`NO_EVAL_DEMO_DEFAULTS` when ``--eval_size`` is 0."""
-    return NO_EVAL_DEMO_DEFAULTS if eval_size is not None and int(eval_size) == 0 else DEMO_DEFAULTS
+    from pair_dpo_trainer.data.splits import parse_eval_size
+
+    return NO_EVAL_DEMO_DEFAULTS if eval_size is not None and parse_eval_size(eval_size) == 0 else DEMO_DEFAULTS
 
 
 def _split_list_flags(argv: list[str]) -> list[str]:
@@ -243,10 +252,14 @@ def _is_demo(model_name_or_path: str | None, dataset: str | None) -> bool:
 
 
 def _with_demo_paths(parsed: tuple, demo: bool) -> tuple[Any, Any, Any]:
+    from pair_dpo_trainer.data.splits import AUTO_EVAL, parse_eval_size
+
     model_args, data_args, config = parsed
+    data_args.eval_size = parse_eval_size(data_args.eval_size)
     if demo:
         model_args.model_name_or_path = str(bundled_model_dir())
         data_args.dataset = str(bundled_pairs_path())
+        data_args.eval_size = DEMO_EVAL_SIZE if data_args.eval_size == AUTO_EVAL else data_args.eval_size
     return model_args, data_args, config
 
 
@@ -309,6 +322,7 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
     from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
     from pair_dpo_trainer.losses.registry import uses_reference
     from pair_dpo_trainer.modeling.paths import require_model_directory
+    from pair_dpo_trainer.samplers.planner import check_enough_pairs
     from pair_dpo_trainer.trainer import PairDPOTrainer
     from pair_dpo_trainer.training.checks import check_config
 
@@ -319,7 +333,17 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
     require_model_directory(
         model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"
     )
-    train_rows, eval_rows = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
+    split = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
+    train_rows, eval_rows = split.train, split.eval
+    if config.process_index == 0:
+        print(f"train.py: {split.describe()}", flush=True)
+    check_enough_pairs(
+        len(train_rows),
+        world_size=config.world_size,
+        pairs_per_rank=config.pairs_per_rank_per_step,
+        rows="rows for training",
+        spent=split.spent(),
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     trainer = PairDPOTrainer(
         model=model_args.model_name_or_path,
@@ -335,7 +359,8 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
         trainer.save_state()
         if trainer.is_world_process_zero():
             plot_training_curves(trainer.state.log_history, f"{config.output_dir}/{CURVES_FILENAME}")
-            print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
+            if metrics:  # a run without an eval split has no final metrics to print
+                print({k: round(v, 4) for k, v in metrics.items() if isinstance(v, float)})
             print(where_written(config.output_dir), flush=True)
     return metrics
 

@@ -119,7 +119,38 @@ def test_the_single_file_path_of_train_py_names_the_bad_row(tmp_path):
     source.write_text("\n".join([*_demo_lines(5), SURROGATE_NESTED]) + "\n", encoding="utf-8")
     with pytest.raises(PreferenceRowError) as info:
         load_train_eval(source, eval_size=1, seed=0)
-    assert info.value.reason_code == "bad_text" and "rows.jsonl row 6:" in info.value.message
+    assert info.value.reason_code == "bad_text" and info.value.message.startswith(f"{source} line 6: ")
+
+
+@pytest.mark.parametrize("eval_size", ["auto", 0, 3])
+def test_a_bad_row_is_named_by_its_file_line_whatever_the_split(tmp_path, tok, eval_size):
+    """A duplicate pair (chosen == rejected) on file line 6, after a blank line: its index in the train or eval split
+    (or, with no split, in the file's rows) is not 6; the message names line 6 either way."""
+    lines = _demo_lines(8)
+    same = json.loads(lines[4])
+    lines[4] = json.dumps({**same, "rejected": same["chosen"]})
+    source = tmp_path / "pairs.jsonl"
+    source.write_text("\n".join([*lines[:3], "", *lines[3:]]) + "\n", encoding="utf-8")  # the duplicate: line 6
+    split = load_train_eval(source, eval_size=eval_size, seed=0)
+    args = cpu_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=1)
+    with pytest.raises(PreferenceRowError) as info:
+        PairDPOTrainer(
+            model=str(bundled_model_dir()),
+            args=args,
+            train_dataset=split.train,
+            eval_dataset=split.eval or None,
+            processing_class=tok,
+        )
+    assert info.value.reason_code == "identical_after_truncation"
+    assert info.value.message.startswith(f"{source} line 6 (")
+
+
+def test_a_schema_error_names_the_file_line(tmp_path):
+    source = tmp_path / "no_rejected.jsonl"
+    source.write_text("\n" + json.dumps({"prompt": "p", "chosen": "c"}) + "\n", encoding="utf-8")
+    with pytest.raises(PreferenceRowError) as info:
+        load_train_eval(source, eval_size=0, seed=0)
+    assert info.value.reason_code == "schema" and info.value.message.startswith(f"{source} line 2: ")
 
 
 MIXED_TYPES = [  # 'chosen' is a message list in one row and a string in the others

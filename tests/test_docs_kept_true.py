@@ -107,3 +107,25 @@ def test_every_module_is_in_the_architecture_doc() -> None:
 
     missing = [m for m in sorted(modules) if not named(m) and not (names[Path(m).name] == 1 and named(Path(m).name))]
     assert not missing, f"describe these modules in docs/architecture.md: {missing}"
+
+
+SUMMARY = re.compile(r"<!-- benchmark-summary:start -->\n.*?<!-- benchmark-summary:end -->", re.S)
+
+
+def test_the_readme_quotes_the_benchmark_summary_and_its_headline_numbers_come_from_it() -> None:
+    """README.md's speed table is docs/benchmarks.md's summary, character for character, and every number of its
+    "Fast:" headline (ratios, tokens/s, GiB, MFU, scaling) is a cell of that table: the README cannot drift from the
+    benchmark record."""
+    summary = SUMMARY.findall((ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(summary) == 1 and SUMMARY.findall(readme) == summary
+    cells = {cell.strip() for row in summary[0].splitlines() for cell in row.split("|")}
+    cell_text = " ".join(cells)
+    headline = re.search(r"^- Fast: (.*?)(?=^- |^#|\n\n)", readme, re.S | re.M)
+    assert headline is not None
+    numbers = re.findall(r"~?\d[\d,]*(?:\.\d+)?(?:x|%|k|B)?", headline.group(1))
+    assert len(numbers) >= 8, numbers
+    missing = [
+        number for number in numbers if not re.search(rf"(?<![\d.,]){re.escape(number)}(?!\d|,\d|\.\d)", cell_text)
+    ]
+    assert not missing, f"README's headline numbers not in the benchmark summary: {missing}"

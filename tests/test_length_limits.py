@@ -191,7 +191,8 @@ def test_manifest_records_the_tokenizer_fingerprint_and_limits(prepared, tok):
 
 
 def test_prepared_dir_is_truncated_to_tighter_limits(tmp_path, tok, prepared):
-    train, eval_ = load_train_eval(prepared, eval_size=0, seed=0)
+    split = load_train_eval(prepared, eval_size=0, seed=0)
+    train, eval_ = split.train, split.eval
     assert max(len(r["prompt_input_ids"]) for r in train) > MAX_PROMPT  # prepared at 128 / 64: longer than the run's
     trainer = _trainer(tmp_path, train, tok, eval_=eval_)
     _assert_batches_within_limits(trainer)

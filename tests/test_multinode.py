@@ -129,7 +129,7 @@ def test_each_node_logs_its_own_line_and_rank_0_the_run_summary(ddp, cluster):
         host, pairs = records[first]["where"]["host"], records[first]["pairs_file"]
         assert lines == [f"pair_dpo: node {host} (ranks {first}-{last}) | train pairs tokenised here: {pairs} | "
                          f"reference snapshot: {records[0]['snapshot_files']} files hashed here"], lines  # fmt: skip
-        assert log.count("pair_dpo: world_size=4 | 8 pairs/step (2 per rank in 1 micro-batches)") == (first == 0)
+        assert log.count("pair_dpo: world_size=4 | 8 pairs/step (2 per rank in 1 micro-batch)") == (first == 0)
 
 
 def test_each_node_hashes_the_reference_snapshot_once(ddp):

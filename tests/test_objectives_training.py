@@ -353,4 +353,12 @@ def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):
     line = run_summary(mixture, attn_backend="x", source=None)
     assert "loss 0.8*sigmoid + 0.2*bco_pair + 1*sft (ld_alpha=0.5)" in line
     simpo = run_summary(cpu_config(tmp_path, loss_type="simpo"), attn_backend="x", source=None)
-    assert "reference reference-free" in simpo and "loss simpo," in simpo
+    assert "| reference-free |" in simpo and "reference reference-free" not in simpo and "loss simpo," in simpo
+
+
+def test_the_run_summary_counts_one_micro_batch_in_the_singular(tmp_path):
+    from pair_dpo_trainer.training.summary import run_summary
+
+    one = run_summary(cpu_config(tmp_path, gradient_accumulation_steps=1), attn_backend="x", source=None)
+    two = run_summary(cpu_config(tmp_path, gradient_accumulation_steps=2), attn_backend="x", source=None)
+    assert "(4 per rank in 1 micro-batch)" in one and "(8 per rank in 2 micro-batches)" in two

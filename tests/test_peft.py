@@ -112,3 +112,16 @@ def test_reference_engine_options_are_refused_for_an_adapter_disabled_reference(
 
     error = runtime_error(cpu_config(tmp_path, **option), peft_policy=True, deepspeed_config={"train_batch_size": 1})
     assert error.reason_code == "unsupported_combination" and next(iter(option)) in str(error)
+
+
+def test_a_lora_policy_with_precomputed_reference_log_probs_trains_from_ln2(tmp_path):
+    """docs/guide.md section 6: LoRA with ``precompute_ref_log_probs=True`` works (one pass of the adapter-disabled
+    policy before training, no reference during it)."""
+    policy = _lora(tiny_llama(0))
+    pairs = synthetic_pairs(16, seed=1)
+    trainer = _trainer(tmp_path, policy, pairs, max_steps=2, precompute_ref_log_probs=True)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-4) and len(losses) == 2
+    changed = [name for name, p in trainer.model.named_parameters() if p.requires_grad]
+    assert changed and all("lora_" in name for name in changed)

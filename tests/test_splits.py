@@ -70,3 +70,42 @@ def test_binary_values_is_the_concatenated_values():
     array = pa.array([b"ab", b"", b"cde", b"f"], pa.binary())
     for view in (array, array.slice(1), array.slice(2, 1), array.slice(0, 0), array.filter([True, False, True, True])):
         assert bytes(binary_values(view)) == b"".join(view.to_pylist())
+
+
+def _pairs_file(path, n: int, *, prompts: int | None = None):
+    """``n`` JSON lines, one distinct prompt each (or ``prompts`` prompts shared in turn)."""
+    import json
+
+    lines = [json.dumps({"prompt": f"q{i % (prompts or n)}", "chosen": f"a{i}", "rejected": f"b{i}"}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_a_users_file_holds_out_five_percent_at_most_200_and_nothing_when_that_is_under_16(tmp_path):
+    from pair_dpo_trainer.data.splits import load_train_eval
+
+    got = {}
+    for n in (150, 319, 320, 400, 2400, 5000):
+        split = load_train_eval(_pairs_file(tmp_path / f"{n}.jsonl", n), eval_size="auto", seed=0)
+        got[n] = (len(split.train), len(split.eval))
+    share = {n: min(200, round(n / 20)) for n in got}  # 5% of the pairs, capped at 200
+    assert got == {n: (n - s, s) if s >= 16 else (n, 0) for n, s in share.items()}
+    assert got[150] == (150, 0) and got[400] == (380, 20)  # a small file trains on every row
+    assert load_train_eval(tmp_path / "400.jsonl", eval_size=30, seed=0).eval.__len__() == 30  # asked: exactly
+
+
+def test_the_split_says_what_it_held_out_and_what_dropped_rows(tmp_path):
+    from pair_dpo_trainer.data.splits import load_train_eval
+
+    split = load_train_eval(_pairs_file(tmp_path / "a.jsonl", 400), eval_size="auto", seed=0)
+    assert (
+        split.describe() == f"{tmp_path / 'a.jsonl'}: 400 rows: 380 for training, 20 held out for evaluation "
+        "(--eval_size auto)."
+    )
+    grouped = load_train_eval(_pairs_file(tmp_path / "g.jsonl", 40, prompts=4), eval_size=5, seed=0)  # groups of 10
+    assert (len(grouped.train), len(grouped.eval), grouped.dropped) == (30, 5, 5)
+    spent = [what for what, _ in grouped.spent()]
+    assert spent == [
+        "5 held out for evaluation by --eval_size 5",
+        "5 in neither split: the rest of the prompt group that eval took in part (a prompt is never in both splits)",
+    ]

@@ -195,3 +195,60 @@ def test_the_script_prints_a_mistyped_option_or_a_bad_file_as_one_line_and_exits
     assert err[0].startswith(f"train.py: error: [{code}] ") and err[1:] == [
         "train.py: (the traceback: set PAIR_DPO_DEBUG=1)"
     ]
+
+
+def _small_file(tmp_path: Path, n: int) -> Path:
+    from pair_dpo_trainer.demo import bundled_pairs_path
+
+    path = tmp_path / "small.jsonl"
+    path.write_text("".join(bundled_pairs_path().read_text(encoding="utf-8").splitlines(True)[:n]), encoding="utf-8")
+    return path
+
+
+def test_too_few_pairs_after_the_eval_split_names_the_split_and_eval_size(tmp_path, capsys):
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ScheduleError
+
+    argv = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(_small_file(tmp_path, 150))]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none", "--eval_size", "146"]
+    with pytest.raises(ScheduleError) as info:  # raised before the model or the tokenizer loads
+        train.main(argv)
+    assert info.value.reason_code == "too_few_pairs"
+    message = info.value.message
+    assert message.startswith("the dataset has 4 rows for training (146 held out for evaluation by --eval_size 146)")
+    assert "lower --eval_size (0: none)" in message and "per_device_train_batch_size" in message
+    assert (
+        "train.py: " + str(tmp_path / "small.jsonl") + ": 150 rows: 4 for training, 146 held out"
+        in capsys.readouterr().out
+    )
+
+
+def test_eval_size_takes_a_count_or_auto_and_the_demo_keeps_its_200(tmp_path):
+    _, data, _ = train.parse_args(["--output_dir", str(tmp_path), "--use_cpu", "true"])
+    assert data.eval_size == 200
+    _, data, _ = train.parse_args(["--model_name_or_path", "m", "--dataset", "d.jsonl", "--output_dir", str(tmp_path)])
+    assert data.eval_size == "auto"
+    with pytest.raises(ConfigError) as info:
+        train.parse_args(["--model_name_or_path", "m", "--dataset", "d.jsonl", "--eval_size", "5%"])
+    assert info.value.reason_code == "bad_args" and "--eval_size='5%'" in info.value.message
+
+
+def test_too_few_pairs_from_a_prepared_directory_names_its_rejections_and_eval_split(tmp_path):
+    from pair_dpo_trainer.cli import main as cli_main
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ScheduleError
+
+    source = _small_file(tmp_path, 12)
+    source.write_text(source.read_text(encoding="utf-8") + "{not json\n" + '{"prompt": "p"}\n', encoding="utf-8")
+    prepared = tmp_path / "prepared"
+    argv = ["prepare-data", str(source), "--output", str(prepared), "--tokenizer", str(bundled_model_dir())]
+    assert cli_main([*argv, "--eval-size", "4", "--disable-tqdm"]) == 0
+    run = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(prepared), "--use_cpu", "true"]
+    with pytest.raises(ScheduleError) as info:  # 8 train pairs left; the step needs 16
+        train.main([*run, "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size", "16"])
+    message = info.value.message
+    assert message.startswith(
+        "the dataset has 8 rows for training (2 rejected by prepare-data (bad_json: 1, schema: 1); 4 held out for "
+        "evaluation by prepare-data --eval-size 4)"
+    )
+    assert "lower prepare-data --eval-size (0: none)" in message and "fix the rejected rows" in message

@@ -133,3 +133,33 @@ def test_the_readme_quick_start_is_the_one_process_command_that_keeps_the_preemp
     guide = (ROOT / "docs" / "guide.md").read_text().split("## 12. Failures and recovery", 1)[1]
     row = next(line for line in guide.splitlines() if line.startswith("| `python train.py` (one process"))
     assert row.endswith("| **75** |")
+
+
+def test_nearly_flat_curves_are_labelled_with_their_values_not_an_offset():
+    from pair_dpo_trainer.cli.plot import curves_figure
+
+    history = [  # a loss at ln 2 that moves in its sixth decimal, as the first steps of a run do
+        {"step": s, "loss": 0.693147 - 3e-6 * s, "rewards/margins": 1e-5 * s, "rewards/accuracies": 0.5}
+        for s in range(1, 6)
+    ]
+    fig = curves_figure(history)
+    fig.canvas.draw()
+    loss_axis = fig.axes[0]
+    offsets = [ax.yaxis.get_offset_text().get_text() for ax in fig.axes]
+    assert offsets[0] == "" and not any("+" in text for text in offsets)  # a scale (1e-5) may stay, never an offset
+    assert any(label.get_text().startswith("0.6931") for label in loss_axis.get_yticklabels())
+
+
+def test_a_small_file_trains_on_all_its_rows_and_a_run_without_evaluation_prints_no_empty_metrics(tmp_path, capsys):
+    from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+
+    pairs = tmp_path / "small.jsonl"  # 150 pairs: 5% is under 16, so --eval_size auto holds out none
+    pairs.write_text("".join(bundled_pairs_path().read_text(encoding="utf-8").splitlines(True)[:150]))
+    argv = ["--model_name_or_path", str(bundled_model_dir()), "--dataset", str(pairs), "--max_steps", "1"]
+    argv += ["--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--disable_tqdm", "true"]
+    argv += ["--report_to", "none", "--max_length", "64", "--save_strategy", "no"]
+    metrics = train.main(argv)
+    out = capsys.readouterr().out.splitlines()
+    assert metrics == {} and "{}" not in out
+    assert f"train.py: {pairs}: 150 rows: 150 for training, none held out" in out[0]
+    assert any("train: chat template (150 conversations)" in line for line in out)

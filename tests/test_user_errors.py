@@ -192,7 +192,9 @@ def test_a_mistyped_policy_path_is_named_as_the_policy(tmp_path, case, pinned):
     message = info.value.message
     assert info.value.reason_code == "model_not_found"
     assert f"the policy path {path!r} (model) {detail}" in message
-    assert "reference" not in message and "hf download" not in message and "Repo id" not in message
+    assert "reference" not in message and "Repo id" not in message
+    hub = "if it is a Hub name: download it first with a pinned revision (hf download REPO --revision SHA"
+    assert (hub in message) == (case == "relative")  # shaped like a Hub repo id: the download step is spelled out
 
 
 def test_train_script_names_a_mistyped_policy_path(tmp_path):

@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 PANELS = (("loss", "loss"), ("rewards/margins", "reward margin"), ("rewards/accuracies", "reward accuracy"))
 CURVES_FILENAME = "training_curves.png"
@@ -30,6 +31,18 @@ def plot_training_curves(log_history: list[dict], path: str | Path) -> Path:
     Returns:
         The written path.
     """
+    import matplotlib.pyplot as plt
+
+    fig = curves_figure(log_history)
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def curves_figure(log_history: list[dict]) -> Any:
+    """The figure of :func:`plot_training_curves` (matplotlib's ``Agg`` backend). Each axis writes its values in full:
+    a nearly flat curve (a loss at ln 2 for a few steps) is labelled ``0.69314``, never ``1e-5+6.931e-1``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -41,15 +54,13 @@ def plot_training_curves(log_history: list[dict], path: str | Path) -> Path:
             steps, values = _series(log_history, prefix + key)
             if steps:
                 ax.plot(steps, values, style, label=label, markersize=3)
+        ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:  # a run too short to log a metric has nothing to label
             ax.legend()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_run(output_dir: str | Path) -> tuple[Path, Path]:

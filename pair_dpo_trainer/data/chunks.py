@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 
 from pair_dpo_trainer.data.arrow import ids_array
+from pair_dpo_trainer.data.rownames import RowNames
 from pair_dpo_trainer.data.streams import Chunk, chunk_rows
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, TokenizationResult, tokenize_dataset, truncate_dataset
 from pair_dpo_trainer.data.workers import ordered_map
@@ -102,6 +103,7 @@ class PairConverter:
         keep_pairs: The encoder needs the normalised pairs (``result.pairs``).
         source: The dataset that :class:`~pair_dpo_trainer.data.streams.RowRange` chunks index into.
         apply_chat_template_to_strings: Render plain-string rows with the chat template (else raw text).
+        row_names: Names the rows by their file and line in messages (``data.rownames``), else ``desc row index``.
     """
 
     tokenizer: Any
@@ -112,6 +114,7 @@ class PairConverter:
     keep_pairs: bool = False
     source: Any = field(default=None, compare=False)
     apply_chat_template_to_strings: bool = False
+    row_names: RowNames | None = field(default=None, compare=False)
 
     def __call__(self, chunk: Chunk) -> ChunkResult:
         rows = chunk_rows(chunk.payload, self.source)
@@ -120,6 +123,7 @@ class PairConverter:
             "progress": False,
             "desc": self.desc,
             "first_row": self.first_row + chunk.start,
+            "row_names": self.row_names,
         }
         if self.tokenizer is None:
             result = truncate_dataset(rows, **self.limits, **options)

@@ -181,7 +181,8 @@ def _convert(
             return dataset.rows, rendering
         dataset = dataset.rows
     if is_tokenized(dataset) and not is_arrow_dataset(dataset):
-        result = truncate_dataset(dataset, **limits, strict=True, desc=desc)
+        names = getattr(dataset, "row_names", None)  # rows read from a file (data.rownames.FileRows)
+        result = truncate_dataset(dataset, **limits, strict=True, desc=desc, row_names=names)
         _log_truncation(desc, result.num_truncated, result.num_accepted, limits)
         return (dataset if result.num_truncated == 0 else result.features), rendering or rendering_summary({})
     built = build_pairs(

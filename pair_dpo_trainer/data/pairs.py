@@ -152,11 +152,19 @@ def _fingerprint(dataset: Any) -> str | None:
 
 def _converter(dataset: Any, tokenizer: Any, limits: Mapping[str, Any], *, tokenized: bool, desc: str, strings: bool):
     """The chunk converter of ``dataset`` and the schema of what it writes."""
+    names = getattr(dataset, "row_names", None)  # rows read from a file (data.rownames.FileRows)
     if tokenized:
         schema = dataset.features.arrow_schema
-        return PairConverter(None, limits, desc, encode=KeepColumns(schema), source=dataset), schema
+        converter = PairConverter(None, limits, desc, encode=KeepColumns(schema), source=dataset, row_names=names)
+        return converter, schema
     converter = PairConverter(
-        tokenizer, limits, desc, encode=encode_ids, source=dataset, apply_chat_template_to_strings=strings
+        tokenizer,
+        limits,
+        desc,
+        encode=encode_ids,
+        source=dataset,
+        apply_chat_template_to_strings=strings,
+        row_names=names,
     )
     return converter, IDS_SCHEMA
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,7 +14,8 @@ import numpy as np
 from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.readers import iter_rows, load_rows
-from pair_dpo_trainer.errors import PreferenceRowError
+from pair_dpo_trainer.data.rownames import FileRows, file_row_names
+from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 
 T = TypeVar("T")
 
@@ -145,29 +147,158 @@ def _rows_in_visiting_order(selected: np.ndarray, group_of_row: np.ndarray, rank
     return rows[np.argsort(rank[group_of_row[rows]], kind="stable")]
 
 
-def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Sequence[Any], Sequence[Any]]:
+EVAL_FRACTION = 0.05
+EVAL_FLOOR = 16
+EVAL_CAP = 200
+AUTO_EVAL = "auto"
+"""``train.py --eval_size auto`` (its default for a user's file): hold out :data:`EVAL_FRACTION` of the pairs, at most
+:data:`EVAL_CAP`; nothing when that is under :data:`EVAL_FLOOR` pairs (an eval loss of fewer pairs is noise, and a
+small file is better spent on training)."""
+
+
+def resolve_eval_size(eval_size: int | str, num_rows: int) -> int:
+    """The pairs to hold out of ``num_rows``: ``eval_size`` itself, or for ``"auto"`` 5% of them (at most 200, none
+    when that is under 16).
+
+    Example:
+        >>> [resolve_eval_size("auto", n) for n in (150, 400, 2400, 10_000)], resolve_eval_size(30, 150)
+        ([0, 20, 120, 200], 30)
+    """
+    if eval_size != AUTO_EVAL:
+        return int(eval_size)
+    share = min(EVAL_CAP, round(num_rows * EVAL_FRACTION))
+    return share if share >= EVAL_FLOOR else 0
+
+
+def parse_eval_size(value: Any) -> int | str:
+    """``train.py``'s ``--eval_size``: ``"auto"`` or a count of pairs >= 0.
+
+    Raises:
+        ConfigError: ``bad_args`` for anything else.
+    """
+    text = str(value).strip().lower()
+    if text == AUTO_EVAL:
+        return AUTO_EVAL
+    if text.isdigit():
+        return int(text)
+    raise ConfigError(
+        "bad_args",
+        f"--eval_size={value!r}: give the number of pairs to hold out for evaluation (0: none), or auto (5% of the "
+        f"pairs, at most {EVAL_CAP}; none when that is under {EVAL_FLOOR}).",
+    )
+
+
+@dataclass(frozen=True)
+class TrainEval:
+    """The train and eval rows of ``train.py``'s dataset, with what the split spent (:meth:`spent`, :meth:`describe`).
+
+    Attributes:
+        train / eval: The rows (:class:`~pair_dpo_trainer.data.rownames.FileRows` in file order for a file, the
+            :class:`PreparedSplit` objects of a ``prepare-data`` directory).
+        source: The dataset path.
+        option: The option that sized the eval split (``--eval_size``, ``prepare-data --eval-size``).
+        asked: Its value (``auto``, ``200``).
+        rows: Rows the dataset had before the split (for a prepared directory: rows read by ``prepare-data``).
+        rejected: Rows ``prepare-data`` rejected, per reason code (truncation drops among them).
+    """
+
+    train: Sequence[Any]
+    eval: Sequence[Any]
+    source: str
+    option: str
+    asked: str
+    rows: int
+    rejected: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> int:
+        """Valid rows in neither split: the rest of the prompt group eval took in part."""
+        return self.rows - sum(self.rejected.values()) - len(self.train) - len(self.eval)
+
+    def spent(self) -> list[tuple[str, str]]:
+        """What took rows away from training, each with what to change (``too_few_pairs`` names them)."""
+        spent = []
+        if self.rejected:
+            codes = ", ".join(f"{code}: {count}" for code, count in sorted(self.rejected.items()))
+            spent.append(
+                (
+                    f"{sum(self.rejected.values())} rejected by prepare-data ({codes})",
+                    "fix the rejected rows (or raise prepare-data's --max-length / --max-prompt-length for pairs "
+                    "that truncation dropped)",
+                )
+            )
+        if self.eval:
+            held = f"{len(self.eval)} held out for evaluation by {self.option} {self.asked}"
+            spent.append((held, f"lower {self.option} (0: none)"))
+        if self.dropped:
+            also = " (or prepare-data --train-size)" if self.option.startswith("prepare-data") else ""
+            spent.append(
+                (
+                    f"{self.dropped} in neither split: the rest of the prompt group that eval took in part (a prompt "
+                    f"is never in both splits){also}",
+                    f"change {self.option} (eval then takes whole prompt groups)",
+                )
+            )
+        return spent
+
+    def describe(self) -> str:
+        """One line for the run's log: the rows of each split and what the split spent.
+
+        Example:
+            >>> TrainEval([0] * 380, [0] * 20, "pairs.jsonl", "--eval_size", "auto", 400).describe()
+            'pairs.jsonl: 400 rows: 380 for training, 20 held out for evaluation (--eval_size auto).'
+        """
+        held = (
+            f"{len(self.eval)} held out for evaluation ({self.option} {self.asked})" if self.eval else "none held out"
+        )
+        if not self.eval and self.asked == AUTO_EVAL:
+            held += f" (--eval_size auto holds out 5% when that is at least {EVAL_FLOOR} pairs; --eval_size N: N)"
+        dropped = (
+            f", {self.dropped} in neither split (the rest of a prompt group eval took in part)" if self.dropped else ""
+        )
+        return f"{self.source}: {self.rows} rows: {len(self.train)} for training, {held}{dropped}."
+
+
+def load_train_eval(path: str | Path, *, eval_size: int | str, seed: int) -> TrainEval:
     """Rows for training and evaluation from a ``prepare-data`` output directory or from one data file.
 
     Args:
         path: A ``prepare-data`` output directory (its two splits, as :class:`~pair_dpo_trainer.data.prepared.
             PreparedSplit` objects that the trainer checks against its tokenizer and limits), or a jsonl / json /
-            parquet file of preference rows, split here with :func:`split_by_prompt`.
-        eval_size: Pairs held out when ``path`` is a file (0: no eval split).
+            parquet file of preference rows, split here with :func:`split_by_prompt`; its rows keep their file
+            lines (:class:`~pair_dpo_trainer.data.rownames.FileRows`) for messages.
+        eval_size: Pairs held out when ``path`` is a file (0: no eval split; ``"auto"``: :func:`resolve_eval_size`).
         seed: Split seed.
 
     Raises:
-        PreferenceRowError: a row that cannot be normalised (its prompt is needed to keep the splits apart).
+        PreferenceRowError: a row that cannot be normalised (its prompt is needed to keep the splits apart), named by
+            its file and line.
         ConfigError: ``bad_manifest`` for a directory that is not a valid ``prepare-data`` output.
     """
     root = Path(path)
     if root.is_dir():
-        return load_prepared(root, "train"), load_prepared(root, "eval")
+        train_split, eval_split = load_prepared(root, "train"), load_prepared(root, "eval")
+        manifest = train_split.manifest
+        rejected = {code: count for code, count in manifest.get("rejections", {}).items() if count}
+        asked = str(manifest.get("eval_size"))
+        rows_read = int(manifest.get("rows_read", 0))
+        return TrainEval(train_split, eval_split, str(path), "prepare-data --eval-size", asked, rows_read, rejected)
     with tempfile.TemporaryDirectory(prefix="pair-dpo-datasets-") as cache_dir:
         rows = list(iter_rows(load_rows(str(root), cache_dir)))
-    hashes = [_prompt_hash(row, f"{root.name} row {number}") for number, row in enumerate(rows, start=1)]
+    names = file_row_names(path, len(rows))
+    hashes = [_prompt_hash(row, names(index)) for index, row in enumerate(rows)]
+    held = resolve_eval_size(eval_size, len(rows))
     indices = list(range(len(rows)))
-    train, held_out = split_by_prompt(indices, hashes.__getitem__, train_size=len(rows), eval_size=eval_size, seed=seed)
-    return [rows[i] for i in sorted(train)], [rows[i] for i in sorted(held_out)]
+    train, held_out = split_by_prompt(indices, hashes.__getitem__, train_size=len(rows), eval_size=held, seed=seed)
+    train, held_out = sorted(train), sorted(held_out)
+    return TrainEval(
+        FileRows([rows[i] for i in train], names.subset(train)),
+        FileRows([rows[i] for i in held_out], names.subset(held_out)),
+        str(path),
+        "--eval_size",
+        str(eval_size),
+        len(rows),
+    )
 
 
 def _prompt_hash(row: Any, where: str) -> str:

@@ -29,6 +29,7 @@ from jinja2.exceptions import TemplateError
 from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset
 from pair_dpo_trainer.data.normalize import PreferencePair, normalize_row
 from pair_dpo_trainer.data.readers import iter_rows
+from pair_dpo_trainer.data.rownames import RowNames, row_name
 from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 
 FEATURE_COLUMNS: tuple[str, str, str] = ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids")
@@ -255,6 +256,7 @@ def tokenize_dataset(
     desc: str = "dataset",
     first_row: int = 0,
     apply_chat_template_to_strings: bool = False,
+    row_names: RowNames | None = None,
 ) -> TokenizationResult:
     """Normalises and tokenises every row, counting rejected rows per reason code and accepted rows per rendering.
 
@@ -272,6 +274,7 @@ def tokenize_dataset(
         first_row: Number of the first row in messages: 0 for an index into an in-memory dataset, 1 for the
             rows of a file (``prepare-data``).
         apply_chat_template_to_strings: See :func:`tokenize_pair`.
+        row_names: Names the rows by their file and line instead (``data.rownames``; ``first_row`` is their index).
 
     Returns:
         A :class:`TokenizationResult`.
@@ -292,7 +295,9 @@ def tokenize_dataset(
         return pair, tokenized.to_features(), tokenized.truncated, tokenized.rendering
 
     rows = _progress(dataset_or_rows, progress, desc)
-    return _convert_rows(rows, convert, strict=strict, keep_pairs=keep_pairs, desc=desc, first_row=first_row)
+    return _convert_rows(
+        rows, convert, strict=strict, keep_pairs=keep_pairs, desc=desc, first_row=first_row, row_names=row_names
+    )
 
 
 def truncate_dataset(
@@ -305,13 +310,14 @@ def truncate_dataset(
     progress: bool | None = None,
     desc: str = "dataset",
     first_row: int = 0,
+    row_names: RowNames | None = None,
 ) -> TokenizationResult:
     """Applies :func:`truncate_pair` (the raw rows' truncation and checks) to already tokenised rows.
 
     Args:
         rows: A ``datasets.Dataset`` or iterable of mappings with the three ``*_input_ids`` columns.
         max_length / max_prompt_length / max_tokens_per_microbatch: See :func:`tokenize_pair`.
-        strict / progress / desc / first_row: See :func:`tokenize_dataset`.
+        strict / progress / desc / first_row / row_names: See :func:`tokenize_dataset`.
 
     Returns:
         A :class:`TokenizationResult` whose ``features`` are the rows themselves, a truncated row as a copy with
@@ -330,7 +336,13 @@ def truncate_dataset(
         return None, ({**row, **tokenized.to_features()} if tokenized.truncated else row), tokenized.truncated, None
 
     return _convert_rows(
-        _progress(rows, progress, desc), convert, strict=strict, keep_pairs=False, desc=desc, first_row=first_row
+        _progress(rows, progress, desc),
+        convert,
+        strict=strict,
+        keep_pairs=False,
+        desc=desc,
+        first_row=first_row,
+        row_names=row_names,
     )
 
 
@@ -342,6 +354,7 @@ def _convert_rows(
     keep_pairs: bool,
     desc: str,
     first_row: int,
+    row_names: RowNames | None = None,
 ) -> TokenizationResult:
     features: list[dict[str, Any]] = []
     row_indices: list[int] = []
@@ -355,7 +368,7 @@ def _convert_rows(
         try:
             pair, row_features, truncated, rendering = convert(row)
         except PreferenceRowError as exc:
-            message = f"{desc} row {index + first_row}: {exc.message}"
+            message = f"{row_name(desc, index + first_row, row_names)}: {exc.message}"
             if strict:
                 raise PreferenceRowError(exc.reason_code, message) from exc
             rejections[exc.reason_code] += 1

@@ -45,8 +45,32 @@ def require_model_directory(path: str, *, role: str, option: str, code: str) -> 
     problem = model_directory_problem(path)
     if problem is None:
         return path
+    hub = (
+        "; if it is a Hub name: download it first with a pinned revision (hf download REPO --revision SHA "
+        "--local-dir DIR), then pass the directory"
+        if looks_like_hub_name(path)
+        else ""
+    )
     raise ConfigError(
         code,
         f"the {role} path {path!r} ({option}) {problem}: check the path; the {role} must be a local directory "
-        "holding config.json and the weights (as save_pretrained writes it).",
+        f"holding config.json and the weights (as save_pretrained writes it){hub}.",
+    )
+
+
+def looks_like_hub_name(path: str) -> bool:
+    """True for a missing path shaped like a Hub repository id (``org/name``, or ``name`` alone): nothing here is
+    downloaded, so such a name needs the download step spelled out.
+
+    Example:
+        >>> looks_like_hub_name("Qwen/Qwen2.5-0.5B"), looks_like_hub_name("/models/my-sft"), looks_like_hub_name("./m")
+        (True, False, False)
+    """
+    parts = path.split("/")
+    return (
+        not os.path.exists(path)
+        and len(parts) <= 2
+        and all(parts)
+        and not path.startswith((".", "~"))
+        and all(part.replace("-", "").replace("_", "").replace(".", "").isalnum() for part in parts)
     )

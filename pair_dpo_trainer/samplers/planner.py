@@ -271,21 +271,34 @@ def _differencing_merges(windows: np.ndarray) -> list[tuple[np.ndarray, np.ndarr
     return merges
 
 
-def check_enough_pairs(num_pairs: int, *, world_size: int, pairs_per_rank: int, rows: str = "pairs") -> None:
+def check_enough_pairs(
+    num_pairs: int,
+    *,
+    world_size: int,
+    pairs_per_rank: int,
+    rows: str = "pairs",
+    spent: Sequence[tuple[str, str]] = (),
+) -> None:
     """Raises ``too_few_pairs`` when ``num_pairs`` cannot fill one optimizer step of ``world_size * pairs_per_rank``
     pairs. It needs only the count, so the trainer also runs it on the raw rows before any model loads (``rows``
     names what was counted).
+
+    Args:
+        spent: What took rows away before they were counted, each as ``(what, how to keep them)`` naming the option
+            that decides it (``train.py``'s eval split, ``prepare-data``'s rejections): the message names every one.
 
     Raises:
         ScheduleError: ``too_few_pairs``.
     """
     group = world_size * pairs_per_rank
     if num_pairs < group:
+        spent_on = f" ({'; '.join(what for what, _ in spent)})" if spent else ""
+        fixes = "".join(f"{fix}, " for _, fix in spent)
         raise ScheduleError(
             "too_few_pairs",
-            f"the dataset has {num_pairs} {rows} but one optimizer step needs world_size * pairs_per_rank = "
-            f"{world_size} * {pairs_per_rank} = {group} (processes x per_device_train_batch_size x "
-            "gradient_accumulation_steps); add data, or lower per_device_train_batch_size, "
+            f"the dataset has {num_pairs} {rows}{spent_on} but one optimizer step needs world_size * "
+            f"pairs_per_rank = {world_size} * {pairs_per_rank} = {group} (processes x per_device_train_batch_size x "
+            f"gradient_accumulation_steps); add data, {fixes}or lower per_device_train_batch_size, "
             "gradient_accumulation_steps or the number of processes.",
         )
 

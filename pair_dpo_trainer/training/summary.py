@@ -82,7 +82,8 @@ def _microbatches(args: PairDPOConfig) -> str:
     """How a rank's pairs of a step are split: a fixed count, or the token budget (``pad_to_budget`` noted)."""
     budget = getattr(args, "max_tokens_per_microbatch", None)
     if budget is None:
-        return f"{args.gradient_accumulation_steps} micro-batches"
+        count = args.gradient_accumulation_steps
+        return f"{count} micro-batch{'es' if count != 1 else ''}"
     padded = ", padded to it" if getattr(args, "pad_to_budget", False) else ""
     return f"micro-batches of <= {budget} tokens{padded}"
 
@@ -111,10 +112,15 @@ def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: A
     reference = reference_mode(args, facts.source, peft_reference=facts.peft_reference)
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
-        f"{_microbatches(args)}) | attention {facts.attn_backend} | reference {reference} | loss "
+        f"{_microbatches(args)}) | attention {facts.attn_backend} | {_reference_words(reference)} | loss "
         f"{objective_summary(args)}, beta={args.beta}, label_smoothing={args.label_smoothing}{precision}{data}{leaves}"
         f"{facts.layers.describe() if facts.layers is not None else ''}{_allocator(args)}"
     )
+
+
+def _reference_words(mode: str) -> str:
+    """``reference online, ...`` / ``reference precomputed, ...``; a run without one says ``reference-free`` alone."""
+    return mode if mode == "reference-free" else f"reference {mode}"
 
 
 def _allocator(args: PairDPOConfig) -> str:
