@@ -33,7 +33,7 @@ from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollato
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
-from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, prepared_limits
+from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, pairs_digest, prepared_limits
 from pair_dpo_trainer.data.token_ids import input_vocab_size
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
@@ -416,6 +416,7 @@ class PairDPOTrainer(Trainer):
         sampler = train_sampler(self._costs(self.train_dataset), self.args)
         fingerprint = sampler.schedule_fingerprint(0)
         assert_ranks_agree("train schedule", fingerprint)
+        assert_ranks_agree("train pairs (a digest of their token ids)", pairs_digest(self.train_dataset))
         self.run_guard.check_schedule(fingerprint)  # resume_data_mismatch; recorded in every checkpoint
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
