@@ -122,3 +122,56 @@ def test_plot_cli_says_what_it_wrote(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"pair-dpo plot: wrote {tmp_path / 'training_curves.png'} (") and out.endswith("\n")
     assert str(tmp_path / "trainer_state.json") in out
+
+
+def test_sigterm_while_train_py_reads_its_options_exits_75(tmp_path):
+    """The stop-signal handler is train.py's first step: a real SIGTERM while it reads its config file (a FIFO, so
+    the read waits at a known point inside the argument parsing) ends it with 75 and its ``[preempted]`` line, not
+    with the signal's default death (-15)."""
+    import os
+    import signal
+
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), str(fifo)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with open(fifo, "w"):  # returns once train.py opened the file to read it: it waits in the read now
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert code == 75, (code, stderr[-2000:])
+    assert "[preempted] SIGTERM" in stderr
+
+
+@pytest.mark.slow
+def test_the_preemption_marker_stays_until_a_run_starts_training(tmp_path):
+    """``pair_dpo_preempted.json`` is a requeue script's only sign of a preemption under torchrun: a launch that fails
+    before training (a missing model directory; a refused resume, after the output-dir lock is taken) keeps it, a run that
+    starts training removes it."""
+    from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import PairDPOError
+    from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_MARKER
+
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = out / PREEMPTED_MARKER
+    marker.write_text('{"exit_code": 75, "phase": "training"}\n')
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:24]))
+    flags = ["--dataset", str(pairs), "--eval_size", "0", "--max_steps", "1"]
+    flags += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_length", "64"]
+    flags += ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(out)]
+    flags += ["--model_name_or_path"]
+    with pytest.raises(PairDPOError) as missing:
+        train.main([*flags, str(tmp_path / "no-model")])
+    assert missing.value.reason_code == "model_not_found" and marker.exists()
+    with pytest.raises(PairDPOError) as refused:
+        train.main([*flags, str(bundled_model_dir()), "--resume_from_checkpoint", str(out / "checkpoint-7")])
+    assert refused.value.reason_code == "no_checkpoint" and marker.exists()
+    train.main([*flags, str(bundled_model_dir())])
+    assert not marker.exists()
