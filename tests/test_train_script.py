@@ -151,8 +151,8 @@ def test_sigterm_while_train_py_reads_its_options_exits_75(tmp_path):
 @pytest.mark.slow
 def test_the_preemption_marker_stays_until_a_run_starts_training(tmp_path):
     """``pair_dpo_preempted.json`` is a requeue script's only sign of a preemption under torchrun: a launch that fails
-    before training (a missing model directory; a refused resume, after the output-dir lock is taken) keeps it, a run that
-    starts training removes it."""
+    before training (a missing model directory; a refused resume, after the output-dir lock is taken) keeps it, a
+    run that starts training removes it."""
     from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
     from pair_dpo_trainer.errors import PairDPOError
     from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_MARKER
