@@ -248,8 +248,6 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
 
 def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
     from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
     from pair_dpo_trainer.data.splits import load_train_eval
     from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
@@ -266,13 +264,8 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
         model_args.model_name_or_path, role="policy", option="--model_name_or_path", code="model_not_found"
     )
     train_rows, eval_rows = load_train_eval(data_args.dataset, eval_size=data_args.eval_size, seed=config.seed)
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    trainer = PairDPOTrainer(
-        model=model_args.model_name_or_path,
-        args=config,
-        train_dataset=train_rows,
-        eval_dataset=eval_rows or None,
-        processing_class=tokenizer,
+    trainer = PairDPOTrainer(  # loads the tokenizer itself, once the snapshot is verified (no remote code runs)
+        model=model_args.model_name_or_path, args=config, train_dataset=train_rows, eval_dataset=eval_rows or None
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     metrics = trainer.evaluate() if eval_rows else {}

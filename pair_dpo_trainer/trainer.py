@@ -150,7 +150,7 @@ class PairDPOTrainer(Trainer):
         ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
         model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path, trust_remote_code=False)
         if peft_config is not None:
             model = _with_peft(model, peft_config, args)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
@@ -622,4 +622,4 @@ def _load_policy(
     if isinstance(model, PreTrainedModel) or policy_dir is None:
         return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
     ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-    return AutoModelForCausalLM.from_pretrained(policy_dir), policy_dir, reference_source
+    return AutoModelForCausalLM.from_pretrained(policy_dir, trust_remote_code=False), policy_dir, reference_source

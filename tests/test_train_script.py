@@ -175,3 +175,39 @@ def test_the_preemption_marker_stays_until_a_run_starts_training(tmp_path):
     assert refused.value.reason_code == "no_checkpoint" and marker.exists()
     train.main([*flags, str(bundled_model_dir())])
     assert not marker.exists()
+
+
+def test_remote_tokenizer_code_added_after_pinning_is_refused_before_anything_loads(tmp_path):
+    """A pinned snapshot whose tokenizer_config.json gained an ``auto_map`` to a Python file after pinning: train.py
+    verifies the snapshot before it loads the tokenizer (the unpinned file refused, its code never imported),
+    and the package never lets transformers run or ask about remote code (``trust_remote_code=False``)."""
+    import shutil
+
+    from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import SnapshotIntegrityError
+    from pair_dpo_trainer.trainer import PairDPOTrainer
+    from tests.dpo_fixtures import cpu_config
+
+    model = tmp_path / "model"
+    shutil.copytree(bundled_model_dir(), model)
+    imported = tmp_path / "remote_code_ran"
+    (model / "evil_tokenizer.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(imported)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:16]))
+    flags = ["--model_name_or_path", str(model), "--dataset", str(pairs), "--eval_size", "0", "--max_steps", "1"]
+    flags += ["--ref_model_revision", DEMO_REVISION, "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SnapshotIntegrityError) as changed:
+        train.main(flags)
+    assert changed.value.reason_code == "metadata_missing" and changed.value.path == "evil_tokenizer.py"
+    args = cpu_config(tmp_path, loss_type="simpo", per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="trust_remote_code"):  # unpinned: transformers refuses, never prompts
+        PairDPOTrainer(model=str(model), args=args, train_dataset=[{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert not imported.exists()
