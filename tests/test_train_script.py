@@ -211,3 +211,48 @@ def test_remote_tokenizer_code_added_after_pinning_is_refused_before_anything_lo
     with pytest.raises(ValueError, match="trust_remote_code"):  # unpinned: transformers refuses, never prompts
         PairDPOTrainer(model=str(model), args=args, train_dataset=[{"prompt": "a", "chosen": "b", "rejected": "c"}])
     assert not imported.exists()
+
+
+def _pre_tokenised_lines(*bad) -> str:
+    """24 pre-tokenised pairs (6 prompts) within the bundled model's vocabulary; ``bad`` (given) replaces an id of row
+    5."""
+    rows = [
+        {
+            "prompt_input_ids": [1, 10 + i % 6, 11],
+            "chosen_input_ids": [20 + i % 9, 30, 2],
+            "rejected_input_ids": [40, 2],
+        }
+        for i in range(24)
+    ]
+    if bad:
+        rows[5]["chosen_input_ids"][1] = bad[0]
+    return "".join(json.dumps(row) + "\n" for row in rows)  # NaN is written as JSON's common extension NaN
+
+
+@pytest.mark.slow
+def test_a_pre_tokenised_jsonl_file_trains_through_train_py_and_a_non_whole_id_is_bad_token_id(tmp_path):
+    """The guide's pre-tokenised rows as a file: train.py splits them by their prompt ids and trains; an id of 1.5
+    (which batching would cut to 1) or NaN (a raw Arrow error in the conversion) is ``bad_token_id`` naming the row."""
+    from pair_dpo_trainer.data.dataset import as_pair_dataset
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ConfigError
+    from tests.models import tiny_tokenizer
+
+    flags = ["--model_name_or_path", str(bundled_model_dir()), "--max_steps", "1", "--save_strategy", "no"]
+    flags += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--report_to", "none"]
+    flags += ["--disable_tqdm", "true", "--eval_strategy", "no", "--dataset_cache_dir", str(tmp_path / "cache")]
+    good = tmp_path / "pairs.jsonl"
+    good.write_text(_pre_tokenised_lines())
+    metrics = train.main([*flags, "--dataset", str(good), "--eval_size", "4", "--output_dir", str(tmp_path / "ok")])
+    assert math.isfinite(metrics["eval_loss"])  # 4 rows of one prompt held out, the others trained on
+    for bad in (1.5, float("nan")):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(_pre_tokenised_lines(bad))
+        with pytest.raises(ConfigError) as info:
+            train.main([*flags, "--dataset", str(path), "--eval_size", "0", "--output_dir", str(tmp_path / "bad")])
+        assert info.value.reason_code == "bad_token_id", info.value
+        assert f"train dataset row 5: chosen_input_ids holds {bad!r}, not a token id" in info.value.message
+    for bad in (None, "30", True):  # in memory: the same check, no model needed
+        rows = [json.loads(line) for line in _pre_tokenised_lines(bad).splitlines()]
+        with pytest.raises(ConfigError, match="row 5: chosen_input_ids holds"):
+            as_pair_dataset(rows, tiny_tokenizer(), max_length=64, max_prompt_length=32, max_tokens_per_microbatch=None)

@@ -24,7 +24,7 @@ from pair_dpo_trainer.data.arrow import content_fingerprint, is_arrow_dataset
 from pair_dpo_trainer.data.cache import META_FILE, PairCache, key_digest, rows_fingerprint
 from pair_dpo_trainer.data.pairs import OncePerNode, build_pairs, in_this_process
 from pair_dpo_trainer.data.prepared import PreparedSplit
-from pair_dpo_trainer.data.token_ids import check_token_ids
+from pair_dpo_trainer.data.token_ids import check_token_ids, check_whole_ids
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
 
@@ -112,7 +112,8 @@ def pair_dataset_and_rendering(
     Raises:
         ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` / ``rendering_mismatch`` for a
             prepared split that does not fit the run (see :mod:`pair_dpo_trainer.data.prepared`), ``bad_manifest``
-            for one whose bytes do not match its manifest; ``bad_token_id``; ``dataset_cache_unwritable``.
+            for one whose bytes do not match its manifest; ``bad_token_id`` (an id outside the embedding, or a
+            pre-tokenised id that is not a whole number); ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
     limits: dict[str, Any] = dict(max_length=max_length, max_prompt_length=max_prompt_length)
@@ -145,6 +146,8 @@ def _one_dataset(
     """:func:`pair_dataset_and_rendering` of one dataset: its pairs (their ids checked against ``vocab_size``) and
     its rendering in words."""
     options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
+    if not isinstance(dataset, PreparedSplit) and is_tokenized(dataset):
+        check_whole_ids(dataset, desc)  # before the truncation: 1.5 would be cut to 1, NaN fail as a raw Arrow error
     pairs, rendering = _convert(dataset, tokenizer, limits, desc, apply_chat_template_to_strings, **options)
     if vocab_size is not None:
         check_token_ids(pairs, vocab_size, desc)

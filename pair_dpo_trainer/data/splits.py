@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ import numpy as np
 from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.readers import iter_rows, load_rows
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
 from pair_dpo_trainer.errors import PreferenceRowError
 
 T = TypeVar("T")
@@ -151,7 +153,8 @@ def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Seq
     Args:
         path: A ``prepare-data`` output directory (its two splits, as :class:`~pair_dpo_trainer.data.prepared.
             PreparedSplit` objects that the trainer checks against its tokenizer and limits), or a jsonl / json /
-            parquet file of preference rows, split here with :func:`split_by_prompt`.
+            parquet file of preference rows (raw, or pre-tokenised: the three ``*_input_ids`` columns, whose
+            ``prompt_input_ids`` then group the prompts), split here with :func:`split_by_prompt`.
         eval_size: Pairs held out when ``path`` is a file (0: no eval split).
         seed: Split seed.
 
@@ -171,6 +174,9 @@ def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Seq
 
 
 def _prompt_hash(row: Any, where: str) -> str:
+    if isinstance(row, Mapping) and all(column in row for column in FEATURE_COLUMNS):  # pre-tokenised: by its ids
+        ids = json.dumps(row["prompt_input_ids"], default=repr, separators=(",", ":"))
+        return hashlib.sha256(f"prompt_input_ids {ids}".encode()).hexdigest()
     try:
         return prompt_hash(normalize_row(row))
     except PreferenceRowError as exc:
