@@ -256,3 +256,27 @@ def test_a_pre_tokenised_jsonl_file_trains_through_train_py_and_a_non_whole_id_i
         rows = [json.loads(line) for line in _pre_tokenised_lines(bad).splitlines()]
         with pytest.raises(ConfigError, match="row 5: chosen_input_ids holds"):
             as_pair_dataset(rows, tiny_tokenizer(), max_length=64, max_prompt_length=32, max_tokens_per_microbatch=None)
+
+
+def test_a_file_of_one_prompt_says_the_eval_split_took_it(tmp_path):
+    """200 copies of one pair: the eval split takes the one prompt group (train and eval never share a prompt), and
+    the refusal says so instead of "the dataset has 0 rows"."""
+    from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import ScheduleError
+
+    path = tmp_path / "same.jsonl"
+    path.write_text(bundled_pairs_path().read_text().splitlines(keepends=True)[0] * 200)
+    with pytest.raises(ScheduleError) as refused:
+        train.main(
+            [
+                "--model_name_or_path",
+                str(bundled_model_dir()),
+                "--dataset",
+                str(path),
+                "--output_dir",
+                str(tmp_path / "out"),
+            ]
+        )
+    assert refused.value.reason_code == "too_few_pairs"
+    assert "the eval split (eval_size=200) took the only prompt group" in refused.value.message
+    assert "--eval_size 0" in refused.value.message

@@ -15,7 +15,7 @@ from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.readers import iter_rows, load_rows
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
-from pair_dpo_trainer.errors import PreferenceRowError
+from pair_dpo_trainer.errors import PreferenceRowError, ScheduleError
 
 T = TypeVar("T")
 
@@ -170,7 +170,21 @@ def load_train_eval(path: str | Path, *, eval_size: int, seed: int) -> tuple[Seq
     hashes = [_prompt_hash(row, f"{root.name} row {number}") for number, row in enumerate(rows, start=1)]
     indices = list(range(len(rows)))
     train, held_out = split_by_prompt(indices, hashes.__getitem__, train_size=len(rows), eval_size=eval_size, seed=seed)
+    if rows and not train:
+        _eval_took_every_prompt(root, len(rows), len(set(hashes)), len(held_out), eval_size)
     return [rows[i] for i in sorted(train)], [rows[i] for i in sorted(held_out)]
+
+
+def _eval_took_every_prompt(root: Path, num_rows: int, num_prompts: int, num_eval: int, eval_size: int) -> None:
+    """Raises ``too_few_pairs`` saying why no row is left to train on: train and eval never share a prompt."""
+    one = num_prompts == 1
+    groups = "the only prompt group (every row has the same prompt)" if one else f"all {num_prompts} prompt groups"
+    raise ScheduleError(
+        "too_few_pairs",
+        f"{root.name}: the eval split (eval_size={eval_size}) took {groups}, so none of the {num_rows} rows is left to "
+        f"train on ({num_eval} held out; the rest of a group eval took in part is dropped, since train and eval never "
+        "share a prompt). Set --eval_size 0, or add rows with other prompts.",
+    )
 
 
 def _prompt_hash(row: Any, where: str) -> str:
