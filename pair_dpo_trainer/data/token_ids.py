@@ -1,4 +1,4 @@
-"""Token ids the model can embed: every id of every pair in ``[0, vocab_size)``, checked before training.
+"""Token ids the model can embed: every id of every pair a whole number in ``[0, vocab_size)``, checked before training.
 
 An id outside the model's input embedding is an ``IndexError`` on CPU and a device-side assert on GPU, deep in the
 first forward pass that meets it, naming no row. Ids come from the run's tokenizer (which may hold added tokens the
