@@ -298,25 +298,28 @@ def print_help() -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    """Parses the arguments and runs: a stop signal (SIGTERM, SIGINT) at any point after that exits with 75.
+    """Parses the arguments and runs: a stop signal (SIGTERM, SIGINT) at any point exits with 75, also while the
+    arguments are parsed (the handler is installed first).
 
     In the training loop the run finishes the optimizer step and saves a checkpoint first; the final save is finished
     before stopping; anywhere else it stops at once, removing its temporary files (``fault_tolerance.preemption``).
     Either way ``--resume_from_checkpoint auto`` (or ``latest`` once a checkpoint exists) goes on from there.
     """
-    from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
-    from pair_dpo_trainer.fault_tolerance.preemption import clear_marker, stop_on_signal
+    from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
 
-    model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
-    with stop_on_signal("train.py (checking the options, reading the data)", output_dir=config.output_dir):
-        clear_marker(config.output_dir)  # a new run: an earlier preemption of this output_dir is over
+    output_dir: list[str] = []  # known once the options are parsed: where a stop signal's marker goes
+    with stop_on_signal(
+        "train.py (reading the options, reading the data)", output_dir=lambda: next(iter(output_dir), None)
+    ):
+        from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
+
+        model_args, data_args, config = parse_args(sys.argv[1:] if argv is None else argv)
+        output_dir.append(config.output_dir)
         follow_launcher()
         return _run(model_args, data_args, config)
 
 
 def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> dict[str, float]:
-    from transformers import AutoTokenizer
-
     from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
     from pair_dpo_trainer.data.splits import load_train_eval
     from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
@@ -344,13 +347,11 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
         rows="rows for training",
         spent=split.spent(),
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    trainer = PairDPOTrainer(
+    trainer = PairDPOTrainer(  # loads the tokenizer itself, once the snapshot is verified (no remote code runs)
         model=model_args.model_name_or_path,
         args=config,
         train_dataset=train_rows,
         eval_dataset=eval_rows or None,
-        processing_class=tokenizer,
     )
     trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     metrics = trainer.evaluate() if eval_rows else {}

@@ -33,7 +33,7 @@ from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollato
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
-from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, prepared_limits
+from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, pairs_digest, prepared_limits
 from pair_dpo_trainer.data.token_ids import input_vocab_size
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
@@ -151,7 +151,7 @@ class PairDPOTrainer(Trainer):
         ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
         model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
-            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path)
+            processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path, trust_remote_code=False)
         if peft_config is not None:
             model = _with_peft(model, peft_config, args)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
@@ -422,6 +422,7 @@ class PairDPOTrainer(Trainer):
         sampler = train_sampler(self._costs(self.train_dataset), self.args)
         fingerprint = sampler.schedule_fingerprint(0)
         assert_ranks_agree("train schedule", fingerprint)
+        assert_ranks_agree("train pairs (a digest of their token ids)", pairs_digest(self.train_dataset))
         self.run_guard.check_schedule(fingerprint)  # resume_data_mismatch; recorded in every checkpoint
         self._train_sampler = sampler
         dataset = self.reference_manager.attach(self.train_dataset)
@@ -638,4 +639,4 @@ def _load_policy(
     if isinstance(model, PreTrainedModel) or policy_dir is None:
         return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
     ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-    return AutoModelForCausalLM.from_pretrained(policy_dir), policy_dir, reference_source
+    return AutoModelForCausalLM.from_pretrained(policy_dir, trust_remote_code=False), policy_dir, reference_source

@@ -10,6 +10,8 @@ Phases (each writes its result under OUT_DIR for the test process to compare):
       <= BUDGET tokens, a varying count): gradients, losses and parameters as DP=1; DDP all-reduces once per step
       (a counting comm hook); then an eval by the same budget over an odd number of pairs (weight-0 fillers).
   disagree: rank 1 loads one pair fewer; both ranks must raise ScheduleError('ranks_disagree'), not hang.
+  disagree_rows: each rank reads its own data file, rank 1's with chosen and rejected swapped: every pair costs the
+      same on both ranks (the schedules agree), only the rows differ; both ranks must raise 'ranks_disagree'.
   objectives: every objective of :data:`OBJECTIVE_RUNS` (each TRL loss, SimPO, ORPO, mixtures, WPO, LD-DPO,
       f-divergences, TR-DPO) as dp2_ga1, dp2_ga2 and dp2_budget runs of ``OBJECTIVE_STEPS`` steps against a distinct
       reference; rank 0 saves one file per layout with every objective's per-step gradients, losses and parameters.
@@ -18,6 +20,7 @@ Phases (each writes its result under OUT_DIR for the test process to compare):
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -231,8 +234,32 @@ def run_disagreement(out_dir: Path, rank: int) -> dict:
     return {"reason_code": None, "seconds": time.monotonic() - start}
 
 
+def run_rows_disagreement(out_dir: Path, rank: int) -> dict:
+    import datasets
+
+    rows = synthetic_pairs(NUM_PAIRS)
+    if rank == 1:  # a pair costs 2 x prompt + chosen + rejected: the same with its completions swapped
+        rows = [{**row, "chosen_input_ids": row["rejected_input_ids"], "rejected_input_ids": row["chosen_input_ids"]}
+                for row in rows]  # fmt: skip
+    path = out_dir / f"rows_rank{rank}.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    pairs = datasets.Dataset.from_json(str(path), cache_dir=str(out_dir / f"datasets_rank{rank}"))
+    options = {"dataset_cache_dir": str(out_dir / "disagree_rows_cache")}
+    trainer = build_trainer(out_dir / "disagree_rows", pairs, world_size=2, ga=1, max_steps=1, **options)
+    try:
+        trainer.train()
+    except ScheduleError as exc:
+        return {"reason_code": exc.reason_code, "message": str(exc)}
+    return {"reason_code": None}
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
+    rank = int(os.environ["RANK"])  # the process group starts with the first trainer
+    if sys.argv[2:] == ["disagree_rows"]:  # this phase alone
+        (out_dir / f"disagree_rows_rank{rank}.json").write_text(json.dumps(run_rows_disagreement(out_dir, rank)))
+        end_process_group()
+        return
     layouts = (
         ("dp2_ga1", 1, {}),
         ("dp2_ga2", 2, {}),
@@ -247,8 +274,8 @@ def main() -> None:
         results = run_objectives(out_dir, world_size=2, ga=ga)
         if dist.get_rank() == 0:
             torch.save(results, out_dir / f"objectives_dp2_{layout}.pt")
-    rank = dist.get_rank()
     (out_dir / f"disagree_rank{rank}.json").write_text(json.dumps(run_disagreement(out_dir, rank)))
+    (out_dir / f"disagree_rows_rank{rank}.json").write_text(json.dumps(run_rows_disagreement(out_dir, rank)))
     end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
 
 

@@ -179,7 +179,7 @@ def test_a_full_disk_during_a_save_raises_disk_full_and_leaves_no_partial_checkp
     assert str(out) in str(error) and "free of 2.0 MiB" in str(error) and error.free_bytes < free_bytes
     assert [step for step, _ in list_checkpoints(out)] == [2]
     assert checkpoint_problem(out / "checkpoint-2") is None
-    assert not (out / STAGING_DIRNAME).exists() or not any((out / STAGING_DIRNAME).iterdir())
+    assert not (out / STAGING_DIRNAME).exists()  # neither the partial checkpoint nor an empty staging directory
     (out / "filler.bin").unlink()
     resumed = build({**spec, "fault": None})
     resumed.train(resume_from_checkpoint="latest")

@@ -276,3 +276,24 @@ def test_the_nodes_other_ranks_take_the_local_mains_proof_unless_the_file_change
     with pytest.raises(ConfigError) as info:
         as_pair_dataset(split, tokenizer, **limits, once=other_rank, cache_dir=str(tmp_path / "cache"))
     assert info.value.reason_code == "bad_manifest" and len(hashed) == 2  # hashed by this rank, and refused
+
+
+def test_the_pairs_digest_ranks_compare_is_the_recorded_one_and_tells_swapped_labels_apart(tmp_path, prepared):
+    """Ranks compare :func:`pairs_digest` before the first step: read from a cache entry's key or a prepared split's
+    manifest, not recomputed, and different for rows whose every pair costs the same (chosen and rejected swapped)."""
+    from pair_dpo_trainer.data.dataset import pairs_digest
+    from pair_dpo_trainer.data.readers import iter_rows, load_rows
+
+    tokenizer = AutoTokenizer.from_pretrained(bundled_model_dir())
+    limits = dict(max_length=64, max_prompt_length=32, max_tokens_per_microbatch=None)
+    rows = list(iter_rows(load_rows(str(bundled_pairs_path()), str(tmp_path / "datasets"))))[:16]
+    swapped = [{**row, "chosen": row["rejected"], "rejected": row["chosen"]} for row in rows]
+    digests = {}
+    for name, data, cache in (("a", rows, "c1"), ("b", rows, "c2"), ("swapped", swapped, "c1")):
+        pairs = as_pair_dataset(data, tokenizer, **limits, cache_dir=str(tmp_path / cache))
+        digests[name] = pairs_digest(pairs)
+    assert digests["a"] == digests["b"] and digests["a"] != digests["swapped"]  # another node's cache: same digest
+    assert digests["a"].startswith("cache entry ")
+    split = load_prepared(prepared, "train")
+    manifest = json.loads((prepared / "manifest.json").read_text())
+    assert pairs_digest(split.rows) == f"prepared split {manifest['outputs']['train.arrow']['digest']['digest']}"

@@ -136,3 +136,12 @@ def test_rank_disagreement_fails_fast_on_every_rank(two_rank_results):
         assert "same dataset" in result["message"]
         assert result["seconds"] < 60
     assert NUM_PAIRS > 0
+
+
+def test_ranks_whose_rows_differ_at_equal_costs_refuse_to_train(two_rank_results):
+    """Rank 1's data file has chosen and rejected swapped: every pair costs the same, so the schedules agree; the
+    digests of the tokenised pairs do not."""
+    for rank in (0, 1):
+        result = json.loads((two_rank_results / f"disagree_rows_rank{rank}.json").read_text())
+        assert result["reason_code"] == "ranks_disagree", result
+        assert "train pairs" in result["message"] and "same dataset" in result["message"], result

@@ -170,3 +170,26 @@ def test_build_identity_from_verified_snapshot(tmp_path: Path) -> None:
     assert read_identity(checkpoint) == record
     unpinned = build_identity(revision="main")
     assert not unpinned.pinned and unpinned.manifest_digest is None
+
+
+def test_a_reference_whose_weights_changed_is_not_called_environment_drift() -> None:
+    """The identities of a real reference before and after its weights changed differ in both the parameter and the
+    probe digest: ``reference_changed``, and the message does not excuse the probe as a GPU or driver difference."""
+    from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+    from pair_dpo_trainer.reference.base import FrozenReference
+    from pair_dpo_trainer.reference.gate import compute_identity
+    from pair_dpo_trainer.reference.source import ReferenceSource
+    from tests.models import VOCAB, tiny_llama
+
+    source = ReferenceSource(directory=None, snapshot=None, revision=None, repo_id=None)
+    model = tiny_llama(0)
+    enable_pair_varlen(model)
+    recorded = compute_identity(source, FrozenReference(model, chunk_size=64), vocab_size=VOCAB, device="cpu")
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)  # the weights changed after the checkpoint recorded them
+    current = compute_identity(source, FrozenReference(model, chunk_size=64), vocab_size=VOCAB, device="cpu")
+    with pytest.raises(SnapshotIntegrityError) as changed:
+        assert_same_reference(recorded, current)
+    message = changed.value.message
+    assert changed.value.reason_code == "reference_changed" and "parameter digest differs" in message
+    assert "probe log-prob digest differs" in message and "not corruption" not in message

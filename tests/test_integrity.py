@@ -476,3 +476,29 @@ def test_bundled_demo_model_verifies() -> None:
         pytest.skip("the bundled demo model is not there yet")
     result = verify_snapshot(path, revision)
     assert result.weight_files and result.files
+
+
+def test_a_stop_signal_while_files_hash_stops_the_hashing_threads_at_their_next_chunk(tmp_path: Path) -> None:
+    """A real SIGTERM while ``verify_hashes`` waits for its threads (a reference being verified): ``Preempted`` leaves
+    within about one chunk per thread, not once every file is hashed. Each chunk takes 0.25 s here (the progress
+    callback sleeps), so hashing everything would take 4 s."""
+    import signal
+
+    from pair_dpo_trainer.errors import Preempted
+    from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
+
+    jobs = []
+    for name in ("a.bin", "b.bin"):
+        path = tmp_path / name
+        with open(path, "wb") as f:
+            f.truncate(8 * hashing.CHUNK_SIZE)  # sparse: 8 chunks read from no disk
+        jobs.append(hashing.HashJob(rel=name, path=path, kind="lfs", expected=None, size=path.stat().st_size))
+    timer = threading.Timer(0.4, os.kill, (os.getpid(), signal.SIGTERM))
+    start = time.monotonic()
+    with pytest.raises(Preempted), stop_on_signal("verifying the reference snapshot"):
+        timer.start()
+        hashing.verify_hashes(jobs, threads=2, progress=lambda n, total: time.sleep(0.25))
+    elapsed = time.monotonic() - start
+    timer.join()
+    assert elapsed < 1.5, f"the hashing threads ran on for {elapsed:.1f} s after SIGTERM"
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("pair-dpo-hash")]

@@ -237,6 +237,32 @@ def test_a_lock_held_in_another_pid_namespace_is_refused_and_a_dead_holders_is_t
         os.kill(child, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("point", ["fsync_dir", "_hold"])  # the name is linked / the record is about to be ours
+def test_a_stop_signal_while_the_lock_is_taken_leaves_no_lock_file(tmp_path, point):
+    """A real SIGTERM, sent by this process to itself as ``point`` starts inside the lock's acquisition (the handler
+    of a run's start is installed): ``Preempted``, and no lock file of this holding stays for the next run to take
+    over with a warning."""
+    from pair_dpo_trainer.errors import Preempted
+    from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
+
+    def signal_at_point(frame, event, arg):  # the first call of ``point`` from the lock's code
+        caller = frame.f_back
+        if event == "call" and frame.f_code.co_name == point and caller and caller.f_globals is vars(lock_module):
+            sys.setprofile(None)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(Preempted), stop_on_signal("taking the output-dir lock"):
+        sys.setprofile(signal_at_point)
+        try:
+            acquire_output_dir(tmp_path)
+        finally:
+            sys.setprofile(None)
+    assert not (tmp_path / LOCK_FILENAME).exists(), (tmp_path / LOCK_FILENAME).read_text()
+    assert acquire_output_dir(tmp_path) is None  # taken afresh, not over a "dead" holder
+    release_output_dir(tmp_path)
+    assert not (tmp_path / LOCK_FILENAME).exists()
+
+
 def test_the_lock_is_reentrant_in_one_process_and_released_by_its_last_holder(tmp_path):
     assert acquire_output_dir(tmp_path) is None and acquire_output_dir(tmp_path) is None
     release_output_dir(tmp_path)

@@ -163,3 +163,163 @@ def test_a_small_file_trains_on_all_its_rows_and_a_run_without_evaluation_prints
     assert metrics == {} and "{}" not in out
     assert f"train.py: {pairs}: 150 rows: 150 for training, none held out" in out[0]
     assert any("train: chat template (150 conversations)" in line for line in out)
+
+
+def test_sigterm_while_train_py_reads_its_options_exits_75(tmp_path):
+    """The stop-signal handler is train.py's first step: a real SIGTERM while it reads its config file (a FIFO, so
+    the read waits at a known point inside the argument parsing) ends it with 75 and its ``[preempted]`` line, not
+    with the signal's default death (-15)."""
+    import os
+    import signal
+
+    fifo = tmp_path / "run.yaml"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), str(fifo)], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        with open(fifo, "w"):  # returns once train.py opened the file to read it: it waits in the read now
+            proc.send_signal(signal.SIGTERM)
+            code = proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    stderr = proc.stderr.read() if proc.stderr else ""
+    assert code == 75, (code, stderr[-2000:])
+    assert "[preempted] SIGTERM" in stderr
+
+
+@pytest.mark.slow
+def test_the_preemption_marker_stays_until_a_run_starts_training(tmp_path):
+    """``pair_dpo_preempted.json`` is a requeue script's only sign of a preemption under torchrun: a launch that fails
+    before training (a missing model directory; a refused resume, after the output-dir lock is taken) keeps it, a
+    run that starts training removes it."""
+    from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import PairDPOError
+    from pair_dpo_trainer.fault_tolerance.preemption import PREEMPTED_MARKER
+
+    out = tmp_path / "out"
+    out.mkdir()
+    marker = out / PREEMPTED_MARKER
+    marker.write_text('{"exit_code": 75, "phase": "training"}\n')
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:24]))
+    flags = ["--dataset", str(pairs), "--eval_size", "0", "--max_steps", "1"]
+    flags += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--max_length", "64"]
+    flags += ["--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--output_dir", str(out)]
+    flags += ["--model_name_or_path"]
+    with pytest.raises(PairDPOError) as missing:
+        train.main([*flags, str(tmp_path / "no-model")])
+    assert missing.value.reason_code == "model_not_found" and marker.exists()
+    with pytest.raises(PairDPOError) as refused:
+        train.main([*flags, str(bundled_model_dir()), "--resume_from_checkpoint", str(out / "checkpoint-7")])
+    assert refused.value.reason_code == "no_checkpoint" and marker.exists()
+    train.main([*flags, str(bundled_model_dir())])
+    assert not marker.exists()
+
+
+def test_remote_tokenizer_code_added_after_pinning_is_refused_before_anything_loads(tmp_path):
+    """A pinned snapshot whose tokenizer_config.json gained an ``auto_map`` to a Python file after pinning: train.py
+    verifies the snapshot before it loads the tokenizer (the unpinned file refused, its code never imported),
+    and the package never lets transformers run or ask about remote code (``trust_remote_code=False``)."""
+    import shutil
+
+    from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import SnapshotIntegrityError
+    from pair_dpo_trainer.trainer import PairDPOTrainer
+    from tests.dpo_fixtures import cpu_config
+
+    model = tmp_path / "model"
+    shutil.copytree(bundled_model_dir(), model)
+    imported = tmp_path / "remote_code_ran"
+    (model / "evil_tokenizer.py").write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(imported)!r}).write_text('ran')\n"
+        "from transformers import PreTrainedTokenizerFast\n\n\n"
+        "class EvilTokenizer(PreTrainedTokenizerFast):\n    pass\n"
+    )
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.update(tokenizer_class="EvilTokenizer", auto_map={"AutoTokenizer": [None, "evil_tokenizer.EvilTokenizer"]})
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(bundled_pairs_path().read_text().splitlines(keepends=True)[:16]))
+    flags = ["--model_name_or_path", str(model), "--dataset", str(pairs), "--eval_size", "0", "--max_steps", "1"]
+    flags += ["--ref_model_revision", DEMO_REVISION, "--report_to", "none", "--output_dir", str(tmp_path / "out")]
+    with pytest.raises(SnapshotIntegrityError) as changed:
+        train.main(flags)
+    assert changed.value.reason_code == "metadata_missing" and changed.value.path == "evil_tokenizer.py"
+    args = cpu_config(tmp_path, loss_type="simpo", per_device_train_batch_size=1, gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="trust_remote_code"):  # unpinned: transformers refuses, never prompts
+        PairDPOTrainer(model=str(model), args=args, train_dataset=[{"prompt": "a", "chosen": "b", "rejected": "c"}])
+    assert not imported.exists()
+
+
+def _pre_tokenised_lines(*bad) -> str:
+    """24 pre-tokenised pairs (6 prompts) within the bundled model's vocabulary; ``bad`` (given) replaces an id of row
+    5."""
+    rows = [
+        {
+            "prompt_input_ids": [1, 10 + i % 6, 11],
+            "chosen_input_ids": [20 + i % 9, 30, 2],
+            "rejected_input_ids": [40, 2],
+        }
+        for i in range(24)
+    ]
+    if bad:
+        rows[5]["chosen_input_ids"][1] = bad[0]
+    return "".join(json.dumps(row) + "\n" for row in rows)  # NaN is written as JSON's common extension NaN
+
+
+@pytest.mark.slow
+def test_a_pre_tokenised_jsonl_file_trains_through_train_py_and_a_non_whole_id_is_bad_token_id(tmp_path):
+    """The guide's pre-tokenised rows as a file: train.py splits them by their prompt ids and trains; an id of 1.5
+    (which batching would cut to 1) or NaN (a raw Arrow error in the conversion) is ``bad_token_id`` naming the row."""
+    from pair_dpo_trainer.data.dataset import as_pair_dataset
+    from pair_dpo_trainer.demo import bundled_model_dir
+    from pair_dpo_trainer.errors import ConfigError
+    from tests.models import tiny_tokenizer
+
+    flags = ["--model_name_or_path", str(bundled_model_dir()), "--max_steps", "1", "--save_strategy", "no"]
+    flags += ["--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--report_to", "none"]
+    flags += ["--disable_tqdm", "true", "--eval_strategy", "no", "--dataset_cache_dir", str(tmp_path / "cache")]
+    good = tmp_path / "pairs.jsonl"
+    good.write_text(_pre_tokenised_lines())
+    metrics = train.main([*flags, "--dataset", str(good), "--eval_size", "4", "--output_dir", str(tmp_path / "ok")])
+    assert math.isfinite(metrics["eval_loss"])  # 4 rows of one prompt held out, the others trained on
+    for bad in (1.5, float("nan")):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(_pre_tokenised_lines(bad))
+        with pytest.raises(ConfigError) as info:
+            train.main([*flags, "--dataset", str(path), "--eval_size", "0", "--output_dir", str(tmp_path / "bad")])
+        assert info.value.reason_code == "bad_token_id", info.value
+        assert f"train dataset row 5: chosen_input_ids holds {bad!r}, not a token id" in info.value.message
+    for bad in (None, "30", True):  # in memory: the same check, no model needed
+        rows = [json.loads(line) for line in _pre_tokenised_lines(bad).splitlines()]
+        with pytest.raises(ConfigError, match="row 5: chosen_input_ids holds"):
+            as_pair_dataset(rows, tiny_tokenizer(), max_length=64, max_prompt_length=32, max_tokens_per_microbatch=None)
+
+
+def test_a_file_of_one_prompt_says_the_eval_split_took_it(tmp_path):
+    """200 copies of one pair: the eval split takes the one prompt group (train and eval never share a prompt), and
+    the refusal says so instead of "the dataset has 0 rows"."""
+    from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
+    from pair_dpo_trainer.errors import ScheduleError
+
+    path = tmp_path / "same.jsonl"
+    path.write_text(bundled_pairs_path().read_text().splitlines(keepends=True)[0] * 200)
+    with pytest.raises(ScheduleError) as refused:
+        train.main(
+            [
+                "--model_name_or_path",
+                str(bundled_model_dir()),
+                "--dataset",
+                str(path),
+                "--output_dir",
+                str(tmp_path / "out"),
+                "--eval_size",
+                "200",
+            ]
+        )
+    assert refused.value.reason_code == "too_few_pairs"
+    assert "the eval split (eval_size=200) took the only prompt group" in refused.value.message
+    assert "--eval_size 0" in refused.value.message

@@ -12,17 +12,19 @@ are converted once per node, on ``dataset_num_proc`` workers, into the tokenised
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from pair_dpo_trainer.data.arrow import is_arrow_dataset
-from pair_dpo_trainer.data.cache import PairCache
+from pair_dpo_trainer.data.arrow import content_fingerprint, is_arrow_dataset
+from pair_dpo_trainer.data.cache import META_FILE, PairCache, key_digest, rows_fingerprint
 from pair_dpo_trainer.data.pairs import OncePerNode, build_pairs, in_this_process
 from pair_dpo_trainer.data.prepared import PreparedSplit
-from pair_dpo_trainer.data.token_ids import check_token_ids
+from pair_dpo_trainer.data.token_ids import check_token_ids, check_whole_ids
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
 
@@ -110,7 +112,8 @@ def pair_dataset_and_rendering(
     Raises:
         ConfigError: ``tokenizer_mismatch`` / ``limits_looser_than_prepared`` / ``rendering_mismatch`` for a
             prepared split that does not fit the run (see :mod:`pair_dpo_trainer.data.prepared`), ``bad_manifest``
-            for one whose bytes do not match its manifest; ``bad_token_id``; ``dataset_cache_unwritable``.
+            for one whose bytes do not match its manifest; ``bad_token_id`` (an id outside the embedding, or a
+            pre-tokenised id that is not a whole number); ``dataset_cache_unwritable``.
         PreferenceRowError: The first bad row.
     """
     limits: dict[str, Any] = dict(max_length=max_length, max_prompt_length=max_prompt_length)
@@ -143,6 +146,8 @@ def _one_dataset(
     """:func:`pair_dataset_and_rendering` of one dataset: its pairs (their ids checked against ``vocab_size``) and
     its rendering in words."""
     options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
+    if not isinstance(dataset, PreparedSplit) and is_tokenized(dataset):
+        check_whole_ids(dataset, desc)  # before the truncation: 1.5 would be cut to 1, NaN fail as a raw Arrow error
     pairs, rendering = _convert(dataset, tokenizer, limits, desc, apply_chat_template_to_strings, **options)
     if vocab_size is not None:
         check_token_ids(pairs, vocab_size, desc)
@@ -199,6 +204,45 @@ def _convert(
     )
     _log_truncation(desc, built.num_truncated, built.num_rows, limits)
     return built.dataset, rendering or rendering_summary(built.renderings)
+
+
+def pairs_digest(pairs: Any) -> str:
+    """A digest of the tokenised pairs a run trains on, equal exactly when the pairs are: what the ranks compare
+    before the first step (``ranks_disagree``), since equal pair costs alone let each rank train on its own rows.
+
+    Read, not computed, where one is recorded: pairs memory-mapped from a tokenised-pairs cache entry give the digest
+    of the entry's key (the rows' fingerprint, the tokenizer's, the limits), a ``prepare-data`` split the digest its
+    ``manifest.json`` records. Other pairs (a pre-tokenised dataset used as it is, a Python list) are hashed here.
+
+    Args:
+        pairs: What :func:`pair_dataset_and_rendering` returned for one dataset.
+    """
+    recorded = _recorded_digest(pairs)
+    if recorded is not None:
+        return recorded
+    return f"rows {content_fingerprint(pairs) if is_arrow_dataset(pairs) else rows_fingerprint(pairs)}"
+
+
+def _recorded_digest(pairs: Any) -> str | None:
+    """The cache entry's key digest or the prepared split's manifest digest of memory-mapped ``pairs``, else None."""
+    files = getattr(pairs, "cache_files", None) or []
+    if len(files) != 1 or getattr(pairs, "_indices", None) is not None:
+        return None  # several files, or a selection of rows: not what a recorded digest covers
+    arrow = Path(files[0]["filename"])
+    meta = _read_json(arrow.parent / META_FILE)
+    if isinstance(meta.get("key"), dict) and (meta.get("result") or {}).get("arrow") == arrow.name:
+        return f"cache entry {key_digest(meta['key'])}"
+    output = (_read_json(arrow.parent / "manifest.json").get("outputs") or {}).get(arrow.name) or {}
+    digest = (output.get("digest") or {}).get("digest") if isinstance(output, dict) else None
+    return f"prepared split {digest}" if isinstance(digest, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def prepared_limits(datasets: Any) -> tuple[int, int] | None:

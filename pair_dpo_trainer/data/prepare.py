@@ -197,7 +197,7 @@ def _load_tokenizer(path: str) -> LoadedTokenizer:
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as exc:  # any loading failure is a bad --tokenizer argument
         raise UsageError(f"--tokenizer {path}: cannot load a tokenizer ({type(exc).__name__}: {exc}).") from exc
     if getattr(tokenizer, "eos_token_id", None) is None:

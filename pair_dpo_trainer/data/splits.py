@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from pair_dpo_trainer.data.normalize import normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.readers import iter_rows, load_rows
 from pair_dpo_trainer.data.rownames import FileRows, file_row_names
-from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
+from pair_dpo_trainer.errors import ConfigError, PreferenceRowError, ScheduleError
 
 T = TypeVar("T")
 
@@ -265,8 +267,9 @@ def load_train_eval(path: str | Path, *, eval_size: int | str, seed: int) -> Tra
     Args:
         path: A ``prepare-data`` output directory (its two splits, as :class:`~pair_dpo_trainer.data.prepared.
             PreparedSplit` objects that the trainer checks against its tokenizer and limits), or a jsonl / json /
-            parquet file of preference rows, split here with :func:`split_by_prompt`; its rows keep their file
-            lines (:class:`~pair_dpo_trainer.data.rownames.FileRows`) for messages.
+            parquet file of preference rows (raw, or pre-tokenised: the three ``*_input_ids`` columns, whose
+            ``prompt_input_ids`` then group the prompts), split here with :func:`split_by_prompt`; its rows keep their
+            file lines (:class:`~pair_dpo_trainer.data.rownames.FileRows`) for messages.
         eval_size: Pairs held out when ``path`` is a file (0: no eval split; ``"auto"``: :func:`resolve_eval_size`).
         seed: Split seed.
 
@@ -290,6 +293,8 @@ def load_train_eval(path: str | Path, *, eval_size: int | str, seed: int) -> Tra
     held = resolve_eval_size(eval_size, len(rows))
     indices = list(range(len(rows)))
     train, held_out = split_by_prompt(indices, hashes.__getitem__, train_size=len(rows), eval_size=held, seed=seed)
+    if rows and not train:
+        _eval_took_every_prompt(root, len(rows), len(set(hashes)), len(held_out), held)
     train, held_out = sorted(train), sorted(held_out)
     return TrainEval(
         FileRows([rows[i] for i in train], names.subset(train)),
@@ -301,7 +306,22 @@ def load_train_eval(path: str | Path, *, eval_size: int | str, seed: int) -> Tra
     )
 
 
+def _eval_took_every_prompt(root: Path, num_rows: int, num_prompts: int, num_eval: int, eval_size: int) -> None:
+    """Raises ``too_few_pairs`` saying why no row is left to train on: train and eval never share a prompt."""
+    one = num_prompts == 1
+    groups = "the only prompt group (every row has the same prompt)" if one else f"all {num_prompts} prompt groups"
+    raise ScheduleError(
+        "too_few_pairs",
+        f"{root.name}: the eval split (eval_size={eval_size}) took {groups}, so none of the {num_rows} rows is left to "
+        f"train on ({num_eval} held out; the rest of a group eval took in part is dropped, since train and eval never "
+        "share a prompt). Set --eval_size 0, or add rows with other prompts.",
+    )
+
+
 def _prompt_hash(row: Any, where: str) -> str:
+    if isinstance(row, Mapping) and all(column in row for column in FEATURE_COLUMNS):  # pre-tokenised: by its ids
+        ids = json.dumps(row["prompt_input_ids"], default=repr, separators=(",", ":"))
+        return hashlib.sha256(f"prompt_input_ids {ids}".encode()).hexdigest()
     try:
         return prompt_hash(normalize_row(row))
     except PreferenceRowError as exc:

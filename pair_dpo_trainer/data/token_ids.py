@@ -1,4 +1,4 @@
-"""Token ids the model can embed: every id of every pair in ``[0, vocab_size)``, checked before training.
+"""Token ids the model can embed: every id of every pair a whole number in ``[0, vocab_size)``, checked before training.
 
 An id outside the model's input embedding is an ``IndexError`` on CPU and a device-side assert on GPU, deep in the
 first forward pass that meets it, naming no row. Ids come from the run's tokenizer (which may hold added tokens the
@@ -58,6 +58,87 @@ def check_token_ids(pairs: Any, vocab_size: int, desc: str) -> None:
                 "resize the model's embeddings to the tokenizer (model.resize_token_embeddings(len(tokenizer))).",
             )
         start += table.num_rows
+
+
+def check_whole_ids(rows: Any, desc: str) -> None:
+    """Raises ``bad_token_id`` for the first pre-tokenised row holding an id that is not a whole number.
+
+    A float id (``1.5``) would be cut to an integer where the pairs are batched, and trained on; NaN, null or text
+    would fail deep in the conversion with a raw Arrow error naming no row. A whole float (``7.0``, as a JSON column
+    with one float reads every value) is accepted. Arrow columns are checked vectorised, batch by batch (an integer
+    column only for nulls); a Python list the same way, or row by row where its batch holds text among numbers.
+
+    Args:
+        rows: Pre-tokenised rows: a ``datasets.Dataset`` or a sequence of mappings with the ``*_input_ids`` columns.
+        desc: Name of the dataset in the message (``"train dataset"``).
+
+    Raises:
+        ConfigError: ``bad_token_id`` naming the row (0-based index into ``rows``), the column and the value.
+    """
+    start = 0
+    for batch in _id_batches(rows):
+        if isinstance(batch, pa.Table):
+            found = [(row, col, value) for col in FEATURE_COLUMNS for row, value in _first_not_whole(batch[col])]
+        else:
+            found = _first_not_whole_in_rows(batch)
+        if found:
+            row, column, value = min(found, key=lambda item: (item[0], FEATURE_COLUMNS.index(item[1])))
+            raise ConfigError(
+                "bad_token_id",
+                f"{desc} row {start + row}: {column} holds {value!r}, not a token id (a whole number): fix or drop "
+                "the row, or tokenise its text again.",
+            )
+        start += batch.num_rows if isinstance(batch, pa.Table) else len(batch)
+
+
+def _id_batches(rows: Any) -> Iterator[pa.Table | list[Any]]:
+    """The id columns of ``rows`` in batches: Arrow tables in the values' own types, or (a list whose values do not
+    convert to one Arrow type) the rows themselves."""
+    if is_arrow_dataset(rows):
+        yield from scan(rows, list(FEATURE_COLUMNS), batch_rows=CHECK_ROWS)
+        return
+    for begin in range(0, len(rows), CHECK_ROWS):
+        batch = [rows[i] for i in range(begin, min(begin + CHECK_ROWS, len(rows)))]
+        try:
+            yield pa.table({column: pa.array([row[column] for row in batch]) for column in FEATURE_COLUMNS})
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # text among numbers, huge ints
+            yield batch
+
+
+def _first_not_whole(column: pa.ChunkedArray) -> list[tuple[int, Any]]:
+    """``[(row, value)]`` of the first id of a list column that is not a whole number (empty when every id is)."""
+    if column.null_count:
+        return [(int(pc.index(pc.is_null(column), True).as_py()), None)]  # the row has no ids at all
+    values = pc.list_flatten(column)
+    if len(values) == 0:
+        return []
+    if pa.types.is_integer(values.type):
+        if values.null_count == 0:
+            return []
+        bad = pc.is_null(values)
+    elif pa.types.is_floating(values.type):
+        whole = pc.and_(pc.is_finite(values), pc.equal(pc.floor(values), values))
+        bad = pc.invert(pc.fill_null(whole, False))
+    else:
+        bad = pa.array(np.ones(len(values), dtype=bool))  # text, booleans, nested lists: no value is a token id
+    position = pc.index(bad, True).as_py()
+    if position < 0:
+        return []
+    return [(int(pc.list_parent_indices(column)[position].as_py()), values[position].as_py())]
+
+
+def _first_not_whole_in_rows(rows: list[Any]) -> list[tuple[int, str, Any]]:
+    """``[(row, column, value)]`` of the first id of ``rows`` that is not a whole number, read value by value."""
+    for index, row in enumerate(rows):
+        for column in FEATURE_COLUMNS:
+            ids = row[column]
+            for value in [None] if ids is None else ids:
+                whole = (
+                    isinstance(value, (int, np.integer)) and not isinstance(value, bool) and -(2**63) <= value < 2**63
+                )
+                if not (whole or (isinstance(value, float) and value.is_integer())):
+                    return [(index, column, value)]
+    return []
 
 
 def _tables(pairs: Any) -> Iterator[pa.Table]:

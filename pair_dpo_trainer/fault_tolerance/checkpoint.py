@@ -346,6 +346,8 @@ def _agree(error: BaseException | None, *, stage: str, name: str, rank: int, cle
         return
     if cleanup is not None:
         shutil.rmtree(cleanup, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            cleanup.parent.rmdir()  # the staging directory exists only while a save is in flight (never left empty)
     if error is not None:
         raise error
     first_rank, (code, text) = failed[0]

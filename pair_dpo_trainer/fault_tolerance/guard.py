@@ -157,8 +157,6 @@ class RunGuard:
             check_nccl_error_handling()
             apply_collective_timeout(self.options.ddp_timeout)
             self._lock(trainer)
-            if self._is_main:
-                clear_marker(self._output_dir)  # this run owns output_dir now: an earlier preemption is over
             self.resume_checkpoint = self._resolve(resume_from_checkpoint)
             if is_multiprocess():
                 self._roll_call = RollCall(self.options.rank, len(self.views)).start()
@@ -356,6 +354,8 @@ class _GuardCallback(TrainerCallback):
         apply_collective_timeout(args.ddp_timeout)
         self.guard.abandon_newer_checkpoints()  # the resumed checkpoint passed every check and is loaded
         self.guard.preemption.start_recording()  # the loop: finish the step, agree, save
+        if args.process_index == 0:  # training starts: an earlier preemption is over (a launch that fails before
+            clear_marker(self.guard.options.output_dir)  # this leaves its marker, the requeue's only sign of it)
         return control
 
     def on_step_end(self, args, state, control, **kwargs):

@@ -18,6 +18,7 @@ Details: docs/architecture.md, "Module notes", ``fault_tolerance/lock.py``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -251,6 +252,7 @@ class OutputDirLock:
         self.path = self.directory / LOCK_FILENAME
         self.holder = LockHolder.current()
         self._fd: int | None = None
+        self._pending: int | None = None  # a descriptor acquire() opened and does not hold yet
         self._size = RECORD_BYTES
         self._stop = threading.Event()
         self._beat: threading.Thread | None = None
@@ -260,24 +262,54 @@ class OutputDirLock:
 
         Raises:
             RunError: ``output_dir_in_use`` naming the live (or unverifiable) holder.
+
+        An exception midway (``Preempted`` from a stop signal) leaves no lock file of this holding behind.
         """
         self.directory.mkdir(parents=True, exist_ok=True)
+        try:
+            return self._take()
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _take(self) -> str | None:
         for _ in range(5):
-            fd = _open(self.path)
+            fd = self._pending = _open(self.path)
             if fd is None:
-                fd = self._create()
+                fd = self._pending = self._create()
                 if fd is None:
                     continue  # created by another run in between: judge that one
                 self._hold(fd)
                 return None
             try:
                 warning = self._judge_existing(fd)
-            except BaseException:
+            except RunError:
                 os.close(fd)
+                self._pending = None
                 raise
             if warning is not None:
                 return warning or None
+            self._pending = None  # closed by the judge: removed or replaced meanwhile
         raise RunError("output_dir_in_use", f"{self.path} keeps changing: another run is starting in {self.directory}")
+
+    def _abandon(self) -> None:
+        """After an exception in :meth:`acquire`: removes the lock file if it holds this holding's record (never
+        another run's, nor a dead run's record it was taking over), while still locked, then closes what it opened."""
+        if self._fd is not None:
+            self.release()
+            return
+        pending, self._pending = self._pending, None
+        try:
+            holder = read_holder(self.path)
+            if holder is not None and holder.token == self.holder.token:
+                self.path.unlink(missing_ok=True)
+                fsync_dir(self.directory)
+        except (RunError, OSError):
+            pass
+        finally:
+            if pending is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pending)
 
     def _judge_existing(self, fd: int) -> str | None:
         """Takes over the file open as ``fd`` if its holder is proven dead (returns the warning); None: look again."""
@@ -313,6 +345,7 @@ class OutputDirLock:
             kernel = _try_flock(fd)
             self._write(fd, kernel == "taken")
             os.link(tmp, self.path)
+            self._pending = fd  # under its name now: acquire()'s clean-up closes it after removing the name
         except FileExistsError:
             os.close(fd)
             return None
@@ -351,12 +384,12 @@ class OutputDirLock:
 
     def _hold(self, fd: int) -> None:
         """Keeps ``fd`` (and its kernel lock) until :meth:`release`; writes this holder's record; starts the beat."""
+        self._fd, self._pending = fd, None
+        _OPEN_FDS.add(fd)
         kernel = _try_flock(fd)  # already taken (a no-op) unless unsupported here
         self._write(fd, kernel == "taken")
         os.ftruncate(fd, self._size)  # a longer record of an earlier holder must not trail this one
         fsync_dir(self.directory)
-        self._fd = fd
-        _OPEN_FDS.add(fd)
         self._stop.clear()
         self._beat = threading.Thread(target=self._heartbeat, name="pair-dpo-lock-heartbeat", daemon=True)
         self._beat.start()
@@ -491,8 +524,12 @@ def acquire_output_dir(directory: str | os.PathLike[str]) -> str | None:
             _HELD[key] = (lock, count + 1)
             return None
         lock = OutputDirLock(directory)
-        warning = lock.acquire() or None
-        _HELD[key] = (lock, 1)
+        try:
+            warning = lock.acquire() or None
+            _HELD[key] = (lock, 1)
+        except BaseException:  # a stop signal between the two: the lock taken, not yet known to release it
+            lock.release()
+            raise
         return warning
 
 

@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["PREEMPTED_EXIT_CODE", "PREEMPTED_MARKER", "Preempted", "TrainingPreempted"]
 
 PREEMPTED_MARKER = "pair_dpo_preempted.json"
-"""Written into ``output_dir`` when a run stops on a stop signal; removed when a run starts there."""
+"""Written into ``output_dir`` when a run stops on a stop signal; removed when a run starts training there (its
+training loop begins), never by a launch that fails before."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 

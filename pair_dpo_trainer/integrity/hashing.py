@@ -16,13 +16,14 @@ large file can be checked with on every core: :data:`CHUNKED_FORMAT` (:class:`Ch
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 import os
 import stat
 import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,7 +177,8 @@ def verify_hashes(
     """Hashes every job in parallel threads and checks it against its expected digest.
 
     Largest files are started first (better balance across threads). On the first failure the other workers
-    stop at their next chunk and that failure is raised (the smallest path among simultaneous failures).
+    stop at their next chunk and that failure is raised (the smallest path among simultaneous failures); so do they
+    when the waiting thread raises (``Preempted`` from a stop signal's handler).
 
     Args:
         jobs: Files to hash.
@@ -205,7 +207,8 @@ def verify_hashes(
     order = sorted(range(len(jobs)), key=lambda i: (-jobs[i].size, jobs[i].rel))
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pair-dpo-hash") as pool:
         futures = {i: pool.submit(_check_one, jobs[i], on_bytes, stop) for i in order}
-        done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
+        with _stopped_on_the_way_out(stop, futures.values()):  # a stop signal raised here: workers stop too
+            done, _ = wait(futures.values(), return_when=FIRST_EXCEPTION)
         failed = sorted((jobs[i].rel, f) for i, f in futures.items() if f in done and f.exception() is not None)
         if failed:
             stop.set()
@@ -213,6 +216,20 @@ def verify_hashes(
                 future.cancel()
             raise failed[0][1].exception()  # type: ignore[misc]
     return [futures[i].result() for i in range(len(jobs))]
+
+
+@contextlib.contextmanager
+def _stopped_on_the_way_out(stop: threading.Event, futures: Iterable[Future]) -> Iterator[None]:
+    """While the caller waits for the hashing threads: an exception raised in the wait (``Preempted`` from a stop
+    signal's handler, ``KeyboardInterrupt``) sets ``stop`` and cancels the files not started, so the pool's shutdown
+    waits for one chunk per thread, not for every file to be hashed."""
+    try:
+        yield
+    except BaseException:
+        stop.set()
+        for future in futures:
+            future.cancel()
+        raise
 
 
 def combine_chunk_digests(digests: Sequence[bytes], size: int, chunk_bytes: int) -> str:
@@ -286,10 +303,14 @@ def chunked_file_digest(
         size, fd = info.st_size, f.fileno()
         pieces = max(1, math.ceil(size / chunk_bytes))
 
+        stop = threading.Event()
+
         def piece(index: int) -> bytes:
             hasher, view = hashlib.sha256(), _buffer(min(CHUNK_SIZE, chunk_bytes))
             offset, end = index * chunk_bytes, min(size, (index + 1) * chunk_bytes)
             while offset < end:
+                if stop.is_set():
+                    raise HashCancelled(str(path))
                 n = os.preadv(fd, [view[: min(len(view), end - offset)]], offset)
                 if not n:
                     raise OSError(f"{path} shrank while it was hashed")
@@ -302,7 +323,9 @@ def chunked_file_digest(
             digests = [piece(i) for i in range(pieces)]
         else:
             with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="pair-dpo-hash") as pool:
-                digests = list(pool.map(piece, range(pieces)))
+                futures = [pool.submit(piece, i) for i in range(pieces)]
+                with _stopped_on_the_way_out(stop, futures):
+                    digests = [future.result() for future in futures]
     return combine_chunk_digests(digests, size, chunk_bytes), size
 
 

@@ -301,7 +301,9 @@ class IdentityComparison:
             )
         if self.params_differs:
             parts.append("parameter digest differs")
-        if self.probe_differs:
+        if self.probe_differs and self.reference_changed:  # the changed reference explains it: no environment excuse
+            parts.append("probe log-prob digest differs too (the reference computes other log-probs)")
+        elif self.probe_differs:
             drift = ", ".join(f"{k}: {a} -> {b}" for k, (a, b) in sorted(self.version_changes.items()))
             parts.append(
                 "probe log-prob digest differs (different GPU, driver or kernels, not corruption"

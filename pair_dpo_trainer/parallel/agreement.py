@@ -82,5 +82,5 @@ def assert_ranks_agree(what: str, value: str) -> None:
             "ranks_disagree",
             f"the ranks disagree about the {what} ({listing}). Every rank must load the same dataset (same files, "
             "same preprocessing) with the same seed, batch size and gradient_accumulation_steps; otherwise they would "
-            "run different numbers of forwards and hang.",
+            "run different numbers of forwards and hang, or each train on rows the others never see.",
         )

@@ -131,4 +131,4 @@ def load_reference_model(policy: PreTrainedModel, directory: str | None) -> PreT
                 "ref_model_name_or_path.",
             )
         return copy.deepcopy(policy)
-    return AutoModelForCausalLM.from_pretrained(directory, dtype=policy.dtype)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=policy.dtype, trust_remote_code=False)
