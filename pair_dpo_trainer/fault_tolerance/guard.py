@@ -33,7 +33,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     clear_leftovers,
     save_checkpoint_atomically,
 )
-from pair_dpo_trainer.fault_tolerance.checkpoint_trust import verify_resume_checkpoint
+from pair_dpo_trainer.fault_tolerance.checkpoint_trust import deepspeed_loads_tag, verify_resume_checkpoint
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import (
@@ -104,6 +104,7 @@ class RunGuard:
         self.options = GuardOptions(output_dir=".", ddp_timeout=1800.0)
         self.preemption = PreemptionHandler()
         self.resume_checkpoint: str | None = None
+        self.deepspeed_tag: str | None = None  # the tag of resume_checkpoint that was scanned, loaded as such
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
         self._roll_call: RollCall | None = None
@@ -129,7 +130,8 @@ class RunGuard:
             RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node
                 run see different directories), ``collective_timeout``, ``peer_lost``.
             CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``),
-                ``checkpoint_tampered``, ``checkpoint_unsafe_pickle`` (``fault_tolerance/checkpoint_trust.py``).
+                ``checkpoint_tampered``, ``checkpoint_unsafe_pickle``, ``checkpoint_unsafe_path``,
+                ``checkpoint_special_file`` (``fault_tolerance/checkpoint_trust.py``).
             ConfigError: ``unsupported_combination`` for NCCL without a collective timeout, or ``save_on_each_node``
                 on more than one node.
             TrainingPreempted: after a stop signal in the training loop, once the checkpoint is saved on every rank.
@@ -152,7 +154,8 @@ class RunGuard:
                 self._roll_call = RollCall(self.options.rank, len(self.views)).start()
             trainer.add_callback(callback)
             added = True
-            yield self.resume_checkpoint
+            with deepspeed_loads_tag(self.resume_checkpoint, self.deepspeed_tag):
+                yield self.resume_checkpoint
             self._finish(trainer)
         except BaseException as exc:
             outcome = self._outcome(exc)
@@ -234,8 +237,9 @@ class RunGuard:
         if self._is_main:
             clear_leftovers(self._output_dir)
         assert_ranks_agree("checkpoint to resume from", str(resume))
+        self.deepspeed_tag = None
         if resume is not None:  # before anything of it is unpickled or loaded
-            verify_resume_checkpoint(resume, is_main=self._is_main)
+            self.deepspeed_tag = verify_resume_checkpoint(resume, is_main=self._is_main)
             options = self.options
             check_resumed_settings(
                 resume, options.resume_settings, allow_mismatch=options.allow_resume_data_mismatch, warn=self._is_main
