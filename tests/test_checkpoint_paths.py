@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pair_dpo_trainer.data.cache import META_FILE, PairCache
 from pair_dpo_trainer.errors import CheckpointError
 from pair_dpo_trainer.fault_tolerance.checkpoint import MANIFEST_FILENAME, MANIFEST_MAX_BYTES, read_manifest
 from pair_dpo_trainer.fault_tolerance.checkpoint_trust import checkpoint_verdict, deepspeed_loads_tag
@@ -82,7 +83,7 @@ def _refused(checkpoint: Path, code: str, *words: str) -> str:
     return verdict[1]
 
 
-def test_a_real_layout_passes_and_only_its_own_pickles_are_scanned(tmp_path):
+def test_a_deepspeed_layout_passes_with_or_without_its_manifest(tmp_path):
     for manifest in (True, False):
         checkpoint = _deepspeed_checkpoint(tmp_path / str(manifest), manifest=manifest)
         assert checkpoint_verdict(checkpoint) is None
@@ -181,7 +182,7 @@ def test_a_fifo_anywhere_in_a_checkpoint_is_refused_without_blocking(tmp_path, f
     assert "FIFO" in verdict[1]
 
 
-def test_snapshot_and_manifest_readers_refuse_a_fifo_without_blocking(tmp_path, fifo_release):
+def test_snapshot_cache_and_manifest_readers_refuse_a_fifo_without_blocking(tmp_path, fifo_release):
     fifo = tmp_path / "model.safetensors"
     os.mkfifo(fifo)
     fifo_release.append(fifo)
@@ -194,9 +195,14 @@ def test_snapshot_and_manifest_readers_refuse_a_fifo_without_blocking(tmp_path, 
     os.mkfifo(tmp_path / MANIFEST_FILENAME)
     fifo_release.append(tmp_path / MANIFEST_FILENAME)
     assert _finishes(read_manifest, tmp_path) is None
+    cache, key = PairCache(tmp_path / "cache"), {"rows": "digest"}
+    cache.entry_dir(key).mkdir(parents=True)
+    os.mkfifo(cache.entry_dir(key) / META_FILE)
+    fifo_release.append(cache.entry_dir(key) / META_FILE)
+    assert _finishes(cache.lookup, key) is None  # no entry, not a hang
 
 
-def test_aliased_or_duplicate_manifest_names_are_refused_and_each_file_is_hashed_once(tmp_path):
+def test_aliased_or_duplicate_manifest_names_are_refused_and_names_are_normalised(tmp_path):
     checkpoint = _deepspeed_checkpoint(tmp_path, manifest=False)
     names = {"rng_state.pth": "rng_state.pth", "./rng_state.pth": "rng_state.pth", "././latest": "latest"}
     names.update({"global_step2/" + MODEL_STATES: "global_step2/" + MODEL_STATES})
@@ -231,6 +237,7 @@ def _dcp_checkpoint(root: Path) -> Path:
     return checkpoint
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # dcp.save in one process
 def test_a_dcp_metadata_pickle_with_code_or_a_shard_outside_is_refused(tmp_path):
     marker = tmp_path / "payload-ran"
     checkpoint = _dcp_checkpoint(tmp_path)

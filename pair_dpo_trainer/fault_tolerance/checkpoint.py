@@ -137,7 +137,9 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     path = Path(checkpoint)
     if not path.is_dir():
         return "no such directory"
-    manifest = read_manifest(path)
+    manifest, refused = load_manifest(path)
+    if refused is not None:
+        return refused
     if manifest is None:
         return (
             f"no readable {MANIFEST_FILENAME} (an interrupted save, a save by an older pair_dpo_trainer, or another "
