@@ -168,7 +168,7 @@ def fifo_release():
             pass
 
 
-@pytest.mark.parametrize("where", ["optimizer.pt", "global_step2/" + MODEL_STATES, MANIFEST_FILENAME, "latest"])
+@pytest.mark.parametrize("where", ["rng_state.pth", "global_step2/" + MODEL_STATES, MANIFEST_FILENAME, "latest"])
 def test_a_fifo_anywhere_in_a_checkpoint_is_refused_without_blocking(tmp_path, fifo_release, where):
     checkpoint = _deepspeed_checkpoint(tmp_path, manifest=where != MANIFEST_FILENAME)
     fifo = checkpoint / where
@@ -204,14 +204,12 @@ def test_snapshot_cache_and_manifest_readers_refuse_a_fifo_without_blocking(tmp_
 
 def test_aliased_or_duplicate_manifest_names_are_refused_and_names_are_normalised(tmp_path):
     checkpoint = _deepspeed_checkpoint(tmp_path, manifest=False)
-    names = {"rng_state.pth": "rng_state.pth", "./rng_state.pth": "rng_state.pth", "././latest": "latest"}
-    names.update({"global_step2/" + MODEL_STATES: "global_step2/" + MODEL_STATES})
-    _write_manifest(checkpoint, names)
-    _refused(checkpoint, "checkpoint_tampered", "'rng_state.pth' twice")
-    del names["./rng_state.pth"]
-    _write_manifest(checkpoint, names)
+    files = ["rng_state.pth", "latest", "global_step2/" + MODEL_STATES]
+    _write_manifest(checkpoint, {**{name: name for name in files}, "./rng_state.pth": "rng_state.pth"})
+    _refused(checkpoint, "checkpoint_tampered", "'rng_state.pth' twice")  # one file listed (and hashed) twice
+    _write_manifest(checkpoint, {"rng_state.pth": "rng_state.pth", "././latest": "latest", files[2]: files[2]})
     assert checkpoint_verdict(checkpoint) is None  # ././latest is latest, listed once
-    assert set(read_manifest(checkpoint)["files"]) == {"rng_state.pth", "latest", "global_step2/" + MODEL_STATES}
+    assert set(read_manifest(checkpoint)["files"]) == set(files)
     text = (checkpoint / MANIFEST_FILENAME).read_text()
     duplicated = text.replace('"files": {', '"files": {"rng_state.pth": 1, ', 1)  # the same JSON key twice
     (checkpoint / MANIFEST_FILENAME).write_text(duplicated)
