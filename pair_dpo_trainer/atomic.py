@@ -185,6 +185,20 @@ def file_kind(mode: int) -> str:
     return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "a special file")
 
 
+def require_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> os.stat_result:
+    """``path``'s ``stat`` (``lstat`` unless ``follow_symlinks``) when it is a regular file, for readers that open it
+    themselves (safetensors' ``load_file``).
+
+    Raises:
+        NotRegularFile: ``path`` is a FIFO, socket, device or directory (or a symlink, unless ``follow_symlinks``).
+        OSError: It cannot be stat-ed.
+    """
+    info = os.stat(path) if follow_symlinks else os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise NotRegularFile(f"{path} is {file_kind(info.st_mode)}, not a regular file")
+    return info
+
+
 def open_regular(
     path: str | os.PathLike[str], *, follow_symlinks: bool = True, buffering: int = -1
 ) -> io.BufferedReader | io.FileIO:
@@ -197,9 +211,7 @@ def open_regular(
         NotRegularFile: ``path`` is a FIFO, socket, device or directory (or a symlink, unless ``follow_symlinks``).
         OSError: It cannot be opened.
     """
-    info = os.stat(path) if follow_symlinks else os.lstat(path)
-    if not stat.S_ISREG(info.st_mode):
-        raise NotRegularFile(f"{path} is {file_kind(info.st_mode)}, not a regular file")
+    require_regular(path, follow_symlinks=follow_symlinks)
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
     flags |= 0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags)
