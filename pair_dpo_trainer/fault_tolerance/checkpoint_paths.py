@@ -12,7 +12,9 @@ make the loader read something other than what was scanned, or hang. The checks 
 - :func:`deepspeed_tag`: the tag DeepSpeed's ``load_checkpoint(tag=None)`` would read from ``latest`` (its text,
   stripped), refused unless it is one plain directory name (letters, digits, ``_``, ``.``, ``-``; no separator,
   ``..`` or glob character) of a directory the checkpoint holds. The tag is then handed to DeepSpeed explicitly
-  (``checkpoint_trust.deepspeed_loads_tag``), so ``latest`` is never read again.
+  (``checkpoint_trust.deepspeed_loads_tag``), so ``latest`` is never read again. (With ``load_universal_checkpoint``
+  DeepSpeed would read ``latest_universal``; HF's Trainer writes neither that file nor that layout, and the engine
+  gets the scanned tag of ``latest`` all the same.)
 - :func:`index_problem`: the shard names of HF's weight indexes are plain relative paths inside the checkpoint.
 """
 
