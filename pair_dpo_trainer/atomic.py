@@ -5,18 +5,24 @@ A reader sees the old file or the complete new one, never a partial write, and a
 ``fault_tolerance/checkpoint.py``). ``disk_full`` / ``unwritable`` tell from an exception chain whether a write failed
 for a full (or over-quota) or a read-only / forbidden filesystem, and ``space_text`` says how much room is left, for
 the errors of every writer above (checkpoints: ``disk_full``; the tokenised-pairs cache: ``dataset_cache_unwritable``).
+
+Reads of files another user may have written (checkpoints, manifests, snapshots, cache entries) go through
+:func:`open_regular`: ``open`` of a FIFO blocks until a writer comes, so a FIFO in their place would hang the reader
+(and every rank waiting on it) forever; it is refused instead, as are sockets and devices.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 """The errnos of a full filesystem or an exceeded quota."""
@@ -25,6 +31,14 @@ UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 _DISK_FULL_TEXT = ("no space left on device", "storagefull", "os error 28", "disk quota exceeded")
 _UNWRITABLE_TEXT = ("read-only file system", "permission denied", "operation not permitted")
 _WRITER_FAILURE_TEXT = ("file write failed", "iostream error", "pytorchstreamwriter failed", "unexpected pos")
+_KINDS = {
+    stat.S_IFIFO: "a FIFO (named pipe)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
 NEARLY_FULL_BYTES = 64 * 2**20
 """Below this much free space, a writer's failure without an errno counts as a full disk (:func:`disk_full`)."""
 
@@ -160,3 +174,69 @@ def space_text(path: str | os.PathLike[str]) -> str:
     """``"<free> free of <total>"`` for the filesystem of ``path``, or ``"free space unknown"``."""
     free, total = disk_space(path)
     return "free space unknown" if free is None else f"{format_bytes(free)} free of {format_bytes(total)}"
+
+
+class NotRegularFile(OSError):
+    """A path that should be a regular file is something else (a FIFO, a socket, a device, a directory)."""
+
+
+def file_kind(mode: int) -> str:
+    """What an ``st_mode`` is, in words (``"a FIFO (named pipe)"``, ``"a regular file"``)."""
+    return "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
+def require_regular(path: str | os.PathLike[str], *, follow_symlinks: bool = True) -> os.stat_result:
+    """``path``'s ``stat`` (``lstat`` unless ``follow_symlinks``) when it is a regular file, for readers that open it
+    themselves (safetensors' ``load_file``).
+
+    Raises:
+        NotRegularFile: ``path`` is a FIFO, socket, device or directory (or a symlink, unless ``follow_symlinks``).
+        OSError: It cannot be stat-ed.
+    """
+    info = os.stat(path) if follow_symlinks else os.lstat(path)
+    if not stat.S_ISREG(info.st_mode):
+        raise NotRegularFile(f"{path} is {file_kind(info.st_mode)}, not a regular file")
+    return info
+
+
+def open_regular(
+    path: str | os.PathLike[str], *, follow_symlinks: bool = True, buffering: int = -1
+) -> io.BufferedReader | io.FileIO:
+    """Opens ``path`` for binary reading only if it is a regular file; never blocks on a FIFO.
+
+    ``lstat`` (``stat`` when ``follow_symlinks``) first refuses a special file; the open itself is non-blocking and
+    the opened descriptor is checked again (``fstat``), so a FIFO swapped in between is refused too.
+
+    Raises:
+        NotRegularFile: ``path`` is a FIFO, socket, device or directory (or a symlink, unless ``follow_symlinks``).
+        OSError: It cannot be opened.
+    """
+    require_regular(path, follow_symlinks=follow_symlinks)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags |= 0 if follow_symlinks else getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NotRegularFile(f"{path} is {file_kind(info.st_mode)}, not a regular file")
+        if hasattr(os, "set_blocking"):
+            os.set_blocking(fd, True)
+        return cast("io.BufferedReader | io.FileIO", os.fdopen(fd, "rb", buffering=buffering))
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_regular(path: str | os.PathLike[str], *, limit: int, follow_symlinks: bool = True) -> bytes:
+    """The bytes of the regular file ``path`` (:func:`open_regular`), refused when larger than ``limit``.
+
+    Raises:
+        NotRegularFile: As :func:`open_regular`.
+        ValueError: The file holds more than ``limit`` bytes.
+        OSError: It cannot be read.
+    """
+    with open_regular(path, follow_symlinks=follow_symlinks) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ValueError(f"{path} is larger than {limit} bytes")
+    return data

@@ -188,6 +188,31 @@ def test_a_zero3_model_states_pickle_with_code_is_refused_on_every_rank_and_neve
     assert "builtins.exec" in outcome(spec, 0)["message"] and not marker.exists()
 
 
+@pytest.mark.slow
+@pytest.mark.distributed  # one ZeRO-3 resume launch of 2 processes (~1 min on 2 cores), sharing the run above
+def test_a_manifest_less_zero3_checkpoint_whose_latest_names_a_directory_outside_is_refused_on_every_rank(
+    zero3_checkpoint, tmp_path
+):
+    from tests.test_deepspeed import DS_CONFIG
+
+    marker = tmp_path / "payload-ran"
+    elsewhere = tmp_path / "elsewhere" / "global_step2"
+    shutil.copytree(zero3_checkpoint / "global_step2", elsewhere)
+    for rank in (0, 1):  # what DeepSpeed unpickles first on each rank, with weights_only=False
+        _forge(elsewhere / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", marker)
+    spec = run_spec(tmp_path, "resume", max_steps=3, deepspeed=DS_CONFIG, ddp_timeout=120)
+    checkpoint = Path(spec["out"]) / "checkpoint-2"
+    shutil.copytree(zero3_checkpoint, checkpoint)
+    (checkpoint / MANIFEST_FILENAME).unlink()  # another trainer's checkpoint: only its pickles are scanned
+    (checkpoint / "latest").write_text(str(elsewhere))  # DeepSpeed joins an absolute tag as it is
+    spec["resume"] = str(checkpoint)
+    assert run_to_end([spec], tmp_path / "resume", world_size=2) == [1, 1], logs(tmp_path / "resume")
+    for rank in (0, 1):
+        result = outcome(spec, rank)
+        assert result["reason_code"] == "checkpoint_unsafe_path" and "latest" in result["message"], result
+    assert not marker.exists()
+
+
 # ------------------------------------------------------------------------------------------------ in process
 def test_an_extra_weights_file_or_a_manifest_without_hashes_is_refused_as_tampered(saved, tmp_path):
     checkpoint = tmp_path / "checkpoint-2"

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pair_dpo_trainer.atomic import disk_full, space_text, unwritable
+from pair_dpo_trainer.atomic import disk_full, read_regular, space_text, unwritable
 from pair_dpo_trainer.errors import ConfigError, PairDPOError
 from pair_dpo_trainer.integrity.hashing import digest_per_record
 
@@ -40,6 +40,8 @@ logger = logging.getLogger(__name__)
 CACHE_FORMAT = 2
 """Part of every key (2: entries record the chunked digest of ``pairs.arrow``, checked on lookup)."""
 META_FILE = "meta.json"
+META_MAX_BYTES = 64 * 2**20
+"""An entry's ``meta.json`` larger than this is not read (an entry that is no cache's)."""
 ARROW_FILE = "pairs.arrow"
 _STALE_SECONDS = 24 * 3600
 
@@ -110,7 +112,7 @@ def written_by(dataset: Any) -> tuple[Path, dict[str, Any]] | None:
         return None
     arrow = Path(files[0]["filename"])
     try:
-        meta = json.loads((arrow.parent / META_FILE).read_text(encoding="utf-8"))
+        meta = json.loads(read_regular(arrow.parent / META_FILE, limit=META_MAX_BYTES))
     except (OSError, ValueError):
         return None
     creator = meta.get("created_by") if isinstance(meta, dict) else None
@@ -136,7 +138,7 @@ class PairCache:
         entry that does not match is removed: see :meth:`_intact`)."""
         directory = self.entry_dir(key)
         try:
-            meta = json.loads((directory / META_FILE).read_text(encoding="utf-8"))
+            meta = json.loads(read_regular(directory / META_FILE, limit=META_MAX_BYTES))
         except (OSError, ValueError):
             return None
         if not isinstance(meta, dict) or meta.get("key") != json.loads(json.dumps(dict(key))):

@@ -18,6 +18,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from pair_dpo_trainer.atomic import read_regular
 from pair_dpo_trainer.data.arrow import open_arrow
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.errors import ConfigError
@@ -27,6 +28,8 @@ from pair_dpo_trainer.integrity.proof import FileStamp, settled_stamp
 _REDO = "re-run `pair-dpo prepare-data` into a fresh --output directory"
 
 MANIFEST_FORMAT = "pair_dpo_trainer.prepare-data/5"
+MANIFEST_MAX_BYTES = 64 * 2**20
+"""A ``manifest.json`` larger than this is refused unread (``bad_manifest``)."""
 """The manifest format this package writes and reads (2: records the tokenizer fingerprint; 3: Arrow splits; 4: how
 plain strings were rendered, ``apply_chat_template_to_strings`` and ``renderings``; 5: the chunked digest of each
 Arrow split, ``outputs[<split>.arrow].digest``, checked before the split is trained on)."""
@@ -246,14 +249,14 @@ def read_manifest(directory: str | Path) -> dict[str, Any]:
     """
     path = Path(directory) / "manifest.json"
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(read_regular(path, limit=MANIFEST_MAX_BYTES))
     except FileNotFoundError as exc:
         raise ConfigError(
             "bad_manifest",
             f"{directory} is a directory without manifest.json, so not a `pair-dpo prepare-data` output: pass a "
             f"jsonl / json / parquet file, or {_REDO}.",
         ) from exc
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:  # a FIFO or an oversized file included
         raise ConfigError("bad_manifest", f"{path} cannot be read as JSON ({exc}); {_REDO}.") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else None

@@ -7,8 +7,10 @@
 - ``launcher.py``: launchers that pass no stop signal on (accelerate's single-process launcher, ``deepspeed``).
 - ``workers.py``: DataLoader workers that only their parent can stop.
 - ``checkpoint.py``: staged, fsynced, renamed checkpoints with a manifest; safe rotation; ``disk_full``.
-- ``checkpoint_trust.py``: before a resume loads anything, the files' SHA-256 and a static scan of the pickles
-  (``checkpoint_tampered``, ``checkpoint_unsafe_pickle``).
+- ``checkpoint_paths.py``: the checkpoint's entries by ``lstat`` and the names loaders join to its path (DeepSpeed's
+  tag, index and DCP shard names), resolved as the loaders do (``checkpoint_unsafe_path``, ``checkpoint_special_file``).
+- ``checkpoint_trust.py``: before a resume loads anything, those paths, the files' SHA-256 and a static scan of the
+  pickles (``checkpoint_tampered``, ``checkpoint_unsafe_pickle``); DeepSpeed is handed the scanned tag.
 - ``resume.py``: ``latest`` / ``auto`` / explicit resume; ``resume_data_mismatch``.
 - ``guard.py``: :class:`RunGuard`, the trainer's one entry point to all of the above.
 

@@ -27,8 +27,9 @@ from typing import Any
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from pair_dpo_trainer.atomic import atomic_open, disk_full, disk_space, fsync_dir, fsync_tree, space_text
+from pair_dpo_trainer.atomic import atomic_open, disk_full, disk_space, fsync_dir, fsync_tree, read_regular, space_text
 from pair_dpo_trainer.errors import CheckpointError, PairDPOError
+from pair_dpo_trainer.fault_tolerance.checkpoint_paths import safe_name
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, write_identity
 from pair_dpo_trainer.integrity.hashing import sha256_files
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 MANIFEST_FILENAME = "pair_dpo_checkpoint.json"
 MANIFEST_FORMAT = 2
+MANIFEST_MAX_BYTES = 16 * 2**20
+"""A manifest larger than this is refused unread (one per file: ~100 bytes each, 100k files fit)."""
 STAGING_DIRNAME = ".pair_dpo_staging"
 TRASH_PREFIX = ".pair_dpo_trash-"
 ABANDONED_PREFIX = "abandoned-"
@@ -86,12 +89,57 @@ def list_checkpoints(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
 
 
 def read_manifest(checkpoint: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The checkpoint's manifest, or None when it has none (or an unreadable one)."""
+    """The checkpoint's manifest (its names normalised), or None when it has none or one :func:`manifest_problem`
+    refuses."""
+    return load_manifest(checkpoint)[0]
+
+
+def load_manifest(checkpoint: str | os.PathLike[str]) -> tuple[dict[str, Any] | None, str | None]:
+    """``(manifest, None)``, ``(None, None)`` when the checkpoint has no manifest, or ``(None, why)`` for one that
+    must not be trusted: larger than :data:`MANIFEST_MAX_BYTES`, not a regular file (a FIFO is never opened for a
+    blocking read), not JSON, a key given twice, or a name that is not a plain relative path or that aliases another
+    (``./x`` and ``x``: every name is normalised, so a file is listed and hashed once)."""
+    path = Path(checkpoint) / MANIFEST_FILENAME
     try:
-        data = json.loads((Path(checkpoint) / MANIFEST_FILENAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+        raw = read_regular(path, limit=MANIFEST_MAX_BYTES)
+    except FileNotFoundError:
+        return None, None
+    except (OSError, ValueError) as exc:
+        return None, f"its {MANIFEST_FILENAME} cannot be read ({exc})"
+    try:
+        data = json.loads(raw, object_pairs_hook=_unique_keys)
+    except ValueError as exc:
+        return None, f"its {MANIFEST_FILENAME} is not valid JSON ({exc})"
+    if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
+        return None, f"its {MANIFEST_FILENAME} lists no files"
+    try:
+        data["files"] = _normalised(data["files"], "files")
+        if isinstance(data.get("sha256"), dict):
+            data["sha256"] = _normalised(data["sha256"], "sha256")
+    except ValueError as exc:
+        return None, f"its {MANIFEST_FILENAME} {exc}"
+    return data, None
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ValueError(f"the key {twice[0]!r} is given twice in one object")
+    return dict(pairs)
+
+
+def _normalised(entries: dict[str, Any], what: str) -> dict[str, Any]:
+    """``entries`` keyed by normalised names; a name outside the checkpoint or two aliases of one name refused."""
+    result: dict[str, Any] = {}
+    for name, value in entries.items():
+        normal = safe_name(name)
+        if normal is None:
+            raise ValueError(f"lists {name[:200]!r} in {what!r}, a path outside the checkpoint")
+        if normal in result:
+            raise ValueError(f"lists {normal!r} twice in {what!r} (as aliases such as './{normal}')")
+        result[normal] = value
+    return result
 
 
 def recorded_nonfinite_grad_skips(checkpoint: str | os.PathLike[str] | None) -> int:
@@ -105,7 +153,9 @@ def checkpoint_problem(checkpoint: str | os.PathLike[str]) -> str | None:
     path = Path(checkpoint)
     if not path.is_dir():
         return "no such directory"
-    manifest = read_manifest(path)
+    manifest, refused = load_manifest(path)
+    if refused is not None:
+        return refused
     if manifest is None:
         return (
             f"no readable {MANIFEST_FILENAME} (an interrupted save, a save by an older pair_dpo_trainer, or another "

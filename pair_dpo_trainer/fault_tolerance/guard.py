@@ -37,7 +37,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     recorded_nonfinite_grad_skips,
     save_checkpoint_atomically,
 )
-from pair_dpo_trainer.fault_tolerance.checkpoint_trust import verify_resume_checkpoint
+from pair_dpo_trainer.fault_tolerance.checkpoint_trust import deepspeed_loads_tag, verify_resume_checkpoint
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.lock import acquire_output_dir, release_output_dir
 from pair_dpo_trainer.fault_tolerance.preemption import (
@@ -116,6 +116,7 @@ class RunGuard:
         self.resume_checkpoint: str | None = None
         self.abandoned: list[Path] = []  # newer checkpoints an explicit resume moved aside (main process)
         self._to_abandon: list[Path] = []
+        self.deepspeed_tag: str | None = None  # the tag of resume_checkpoint that was scanned, loaded as such
         self.schedule_fingerprint: str | None = None
         self._locked: str | None = None
         self._roll_call: RollCall | None = None
@@ -141,7 +142,8 @@ class RunGuard:
             RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node
                 run see different directories), ``collective_timeout``, ``peer_lost``.
             CheckpointError: ``no_checkpoint``, ``checkpoint_incomplete`` (see ``fault_tolerance/resume.py``),
-                ``checkpoint_tampered``, ``checkpoint_unsafe_pickle`` (``fault_tolerance/checkpoint_trust.py``).
+                ``checkpoint_tampered``, ``checkpoint_unsafe_pickle``, ``checkpoint_unsafe_path``,
+                ``checkpoint_special_file`` (``fault_tolerance/checkpoint_trust.py``).
             ConfigError: ``unsupported_combination`` for NCCL without a collective timeout, or ``save_on_each_node``
                 on more than one node.
             TrainingPreempted: after a stop signal in the training loop, once the checkpoint is saved on every rank.
@@ -162,7 +164,8 @@ class RunGuard:
                 self._roll_call = RollCall(self.options.rank, len(self.views)).start()
             trainer.add_callback(callback)
             added = True
-            yield self.resume_checkpoint
+            with deepspeed_loads_tag(self.resume_checkpoint, self.deepspeed_tag):
+                yield self.resume_checkpoint
             self._finish(trainer)
         except BaseException as exc:
             outcome = self._outcome(exc)
@@ -281,8 +284,9 @@ class RunGuard:
         if resume is not None and self._is_main and is_explicit(resume_from_checkpoint):
             self._to_abandon = newer_checkpoints(self._output_dir, resume)  # moved aside once training starts
         assert_ranks_agree("checkpoint to resume from", str(resume))
+        self.deepspeed_tag = None
         if resume is not None:  # before anything of it is unpickled or loaded
-            verify_resume_checkpoint(resume, is_main=self._is_main)
+            self.deepspeed_tag = verify_resume_checkpoint(resume, is_main=self._is_main)
             options = self.options
             check_resumed_settings(
                 resume, options.resume_settings, allow_mismatch=options.allow_resume_data_mismatch, warn=self._is_main

@@ -20,6 +20,7 @@ from pair_dpo_trainer.fault_tolerance.checkpoint import (
     checkpoint_problem,
     checkpoint_step,
     list_checkpoints,
+    load_manifest,
     read_manifest,
     staged_leftovers,
 )
@@ -75,8 +76,9 @@ def _explicit(path: str, *, warn: bool) -> str:
     problem = checkpoint_problem(path)
     if problem is None:
         return path
-    if read_manifest(path) is None:
-        if warn:
+    manifest, refused = load_manifest(path)
+    if manifest is None:
+        if warn and refused is None:  # a manifest that is there but refused: checkpoint_trust.py says why
             logger.warning(
                 "resume_from_checkpoint=%s has no %s (saved by an older pair_dpo_trainer or another trainer): its "
                 "completeness, file hashes and data cannot be checked; resuming as asked once its pickles are "

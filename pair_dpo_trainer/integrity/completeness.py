@@ -17,6 +17,7 @@ from collections.abc import Set
 from dataclasses import dataclass
 from pathlib import Path
 
+from pair_dpo_trainer.atomic import open_regular
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 from pair_dpo_trainer.integrity.layout import check_repo_path
 
@@ -52,7 +53,7 @@ WEIGHT_FORMATS = (
 def _load_weight_map(root: Path, index: str) -> dict[str, object]:
     """Reads ``index`` and returns its ``weight_map`` (raises ``malformed_index`` / ``empty_weight_map``)."""
     try:
-        with open(root / index, "rb") as f:
+        with open_regular(root / index) as f:
             raw = f.read(INDEX_MAX_BYTES + 1)
     except OSError as exc:
         raise SnapshotIntegrityError("unreadable_file", f"cannot read the weight index: {exc}", index) from exc

@@ -20,7 +20,6 @@ import contextlib
 import hashlib
 import math
 import os
-import stat
 import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pair_dpo_trainer.atomic import open_regular
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
 CHUNK_SIZE = 8 * 1024 * 1024
@@ -109,7 +109,8 @@ def hash_file(
     """Hashes one file in fixed-size chunks with bounded memory.
 
     Args:
-        path: File to read (symlinks are followed).
+        path: File to read (symlinks are followed; a FIFO or other special file is refused before it is opened
+            for blocking reads, see :func:`pair_dpo_trainer.atomic.open_regular`).
         kind: ``"git"`` or ``"lfs"``.
         chunk_size: Bytes per read.
         on_bytes: Called with the number of bytes of each chunk read.
@@ -124,10 +125,8 @@ def hash_file(
         HashCancelled: ``stop`` was set.
     """
     view = _buffer(chunk_size)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(f"{path} is not a regular file")
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
         hasher = new_hasher(kind, info.st_size)
@@ -296,10 +295,8 @@ def chunked_file_digest(
     Raises:
         OSError: The file cannot be read, is not a regular file, or shrank while it was read.
     """
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         info = os.fstat(f.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            raise OSError(f"{path} is not a regular file")
         size, fd = info.st_size, f.fileno()
         pieces = max(1, math.ceil(size / chunk_bytes))
 

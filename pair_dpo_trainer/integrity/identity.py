@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pair_dpo_trainer.atomic import atomic_open
+from pair_dpo_trainer.atomic import atomic_open, open_regular
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
 if TYPE_CHECKING:
@@ -242,7 +242,8 @@ def read_identity(checkpoint_dir: str | os.PathLike[str]) -> ReferenceIdentity:
         SnapshotIntegrityError: ``identity_malformed``.
     """
     target = Path(checkpoint_dir) / IDENTITY_FILENAME
-    text = target.read_text(encoding="utf-8")
+    with open_regular(target) as f:  # a FIFO in its place is refused, never waited on
+        text = f.read().decode("utf-8")
     try:
         data = json.loads(text)
     except ValueError as exc:

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pair_dpo_trainer.atomic import open_regular
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
 BOOKKEEPING_PARTS = (".cache", "huggingface")
@@ -266,7 +267,7 @@ def parse_metadata(payload_rel: str, metadata_file: Path) -> FileMetadata:
         return SnapshotIntegrityError("metadata_malformed", f"{meta_rel}: {why}", payload_rel)
 
     try:
-        with open(metadata_file, "rb") as f:
+        with open_regular(metadata_file) as f:
             raw = f.read(METADATA_MAX_BYTES + 1)
     except OSError as exc:
         raise bad(f"cannot read ({exc})") from exc

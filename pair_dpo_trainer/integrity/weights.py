@@ -16,6 +16,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pair_dpo_trainer.atomic import open_regular
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 
 MAX_HEADER_BYTES = 100_000_000
@@ -124,7 +125,7 @@ def read_head(path: Path) -> tuple[bytes, int]:
     Raises:
         OSError: The file cannot be read.
     """
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = f.seek(0, 2)
         f.seek(0)
         first = f.read(8)

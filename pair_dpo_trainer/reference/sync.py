@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from pair_dpo_trainer.atomic import require_regular
 from pair_dpo_trainer.errors import ConfigError, SnapshotIntegrityError
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
@@ -80,6 +81,7 @@ def load_synced_reference(checkpoint_dir: str | os.PathLike[str], reference: tor
     source = Path(checkpoint_dir) / SYNCED_REFERENCE_FILENAME
     targets = _named(reference)
     try:
+        require_regular(source)  # a FIFO would block load_file's open
         tensors = load_file(str(source))
     except (OSError, ValueError) as exc:
         raise SnapshotIntegrityError(

@@ -18,12 +18,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pair_dpo_trainer.atomic import atomic_open
+from pair_dpo_trainer.atomic import atomic_open, read_regular
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.losses.base import PairLogps
 
 OBJECTIVE_STATE_FILENAME = "pair_dpo_objective_state.json"
 OBJECTIVE_STATE_FORMAT = 1
+OBJECTIVE_STATE_MAX_BYTES = 2**20
+"""A state record larger than this is not read (the record is a few numbers)."""
 
 
 class RunningRewardMean:
@@ -94,7 +96,7 @@ def read_objective_state(checkpoint_dir: str | os.PathLike[str]) -> dict[str, An
     """
     target = Path(checkpoint_dir) / OBJECTIVE_STATE_FILENAME
     try:
-        data = json.loads(target.read_text(encoding="utf-8"))
+        data = json.loads(read_regular(target, limit=OBJECTIVE_STATE_MAX_BYTES))
     except (OSError, ValueError):
         data = None
     if not isinstance(data, dict) or data.get("format") != OBJECTIVE_STATE_FORMAT:
