@@ -311,7 +311,13 @@ def test_fp8_compiled_by_inductor_still_starts_at_ln2(tmp_path, monkeypatch):
     from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
 
     backend = install_traceable_varlen(monkeypatch)
-    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", False)
+    # the config's own patch: pytest's monkeypatch would delete the option on undo (it reads a ConfigModule's
+    # __dict__, where options do not live), breaking every later compile in this process
+    with torch._inductor.config.patch(emulate_precision_casts=False):
+        _train_fp8_compiled_from_ln2(tmp_path, backend)
+
+
+def _train_fp8_compiled_from_ln2(tmp_path, backend):
     args = cpu_config(
         tmp_path, max_steps=1, attn_backend=backend, torch_compile=True, fp8="tensorwise", gradient_accumulation_steps=1
     )
