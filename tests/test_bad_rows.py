@@ -253,6 +253,7 @@ def tokenizers(tok):
     return {"template": tok, "no-template": base}
 
 
+@pytest.mark.integration
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(row=ROW, limits=LIMITS, which=st.sampled_from(["template", "no-template"]))
 def test_only_preference_row_errors_escape_normalise_and_tokenise(tokenizers, row, limits, which):
@@ -268,6 +269,7 @@ def test_only_preference_row_errors_escape_normalise_and_tokenise(tokenizers, ro
     assert tp.chosen_ids != tp.rejected_ids and tp.chosen_ids and tp.rejected_ids
 
 
+@pytest.mark.integration
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rows=st.lists(ROW, max_size=6))
 def test_tokenize_dataset_counts_every_arbitrary_row(tokenizers, rows):

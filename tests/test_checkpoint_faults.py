@@ -60,6 +60,7 @@ def uninterrupted(tmp_path_factory):
         ("optimizer", "KILL", True, 4),  # reference_free: the same guarantees without an identity file
     ],
 )
+@pytest.mark.integration
 def test_a_save_interrupted_by_a_signal_leaves_only_complete_checkpoints_and_resume_latest_continues_exactly(
     tmp_path, uninterrupted, caplog, point, signal, free, resumed_step
 ):
@@ -84,6 +85,7 @@ def test_a_save_interrupted_by_a_signal_leaves_only_complete_checkpoints_and_res
     assert not (out / STAGING_DIRNAME).exists()
 
 
+@pytest.mark.integration
 def test_resume_latest_skips_a_checkpoint_with_a_truncated_file_and_refuses_it_by_path(tmp_path, caplog):
     spec = run_spec(tmp_path, "run", max_steps=4)
     _train_in_process(spec)
@@ -126,6 +128,7 @@ def test_resume_latest_with_no_complete_checkpoint_refuses_and_auto_starts_fresh
     ("change", "options"),
     [("dataset", {"num_pairs": 56}), ("lengths", {"data_seed": 3}), ("seed", {"seed": 1}), ("layout", {"ga": 4})],
 )
+@pytest.mark.integration
 def test_resuming_with_another_schedule_refuses_unless_explicitly_accepted(tmp_path, caplog, change, options):
     spec = run_spec(tmp_path, "run", max_steps=2)
     _train_in_process(spec)

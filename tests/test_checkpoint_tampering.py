@@ -92,6 +92,7 @@ def _refused(done: subprocess.CompletedProcess, code: str, name: str) -> None:
     assert len(lines) == 1 and f"[{code}]" in lines[0] and name in lines[0], done.stderr[-4000:]
 
 
+@pytest.mark.integration  # the module's `saved` run trains first
 def test_the_manifest_records_the_sha256_of_every_file(saved):
     checkpoint = saved / "checkpoint-2"
     manifest = read_manifest(checkpoint)
@@ -138,6 +139,7 @@ def test_code_in_a_pickle_is_refused_even_when_the_manifest_vouches_for_it_or_th
 
 
 @pytest.mark.slow
+@pytest.mark.integration  # the module's `saved` run trains first
 def test_an_untouched_checkpoint_resumes_to_the_uninterrupted_weights(saved, run_copy):
     done = _train(run_copy, "--resume_from_checkpoint", "latest")
     assert done.returncode == 0, done.stderr[-4000:]
@@ -214,6 +216,7 @@ def test_a_manifest_less_zero3_checkpoint_whose_latest_names_a_directory_outside
 
 
 # ------------------------------------------------------------------------------------------------ in process
+@pytest.mark.integration  # the module's `saved` run trains first
 def test_an_extra_weights_file_or_a_manifest_without_hashes_is_refused_as_tampered(saved, tmp_path):
     checkpoint = tmp_path / "checkpoint-2"
     shutil.copytree(saved / "checkpoint-2", checkpoint)
@@ -228,6 +231,7 @@ def test_an_extra_weights_file_or_a_manifest_without_hashes_is_refused_as_tamper
     assert verdict is not None and verdict[0] == "checkpoint_tampered" and "records no SHA-256" in verdict[1]
 
 
+@pytest.mark.integration  # the module's `saved` run trains first
 def test_the_pickle_scan_names_code_and_refuses_what_it_cannot_read(saved, tmp_path):
     marker = tmp_path / "payload-ran"
     assert pickle_problem(saved / "checkpoint-2" / "rng_state.pth") is None  # numpy's RNG state is allowed

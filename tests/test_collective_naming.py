@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from pair_dpo_trainer.parallel.collectives import collective_failure, nccl_timeout_problem
 
 
@@ -75,6 +77,7 @@ def _stores(count: int) -> tuple[object, list]:
     return server, [dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout) for _ in range(count)]
 
 
+@pytest.mark.integration
 def test_the_roll_call_names_ranks_without_heartbeat_and_spares_the_witnesses():
     """Ranks 0-2 beat; rank 3 never does (dead). Rank 1 stops beating but witnessed the failure (it left with its own
     error in hand): only rank 3 is lost, named with its host."""

@@ -54,6 +54,7 @@ def _step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
     return logps.detach(), grad
 
 
+@pytest.mark.integration
 def test_dynamic_layers_compile_once_for_every_packed_shape_without_graph_breaks(traceable_varlen) -> None:
     batches = _batches()
     assert len({b.input_ids.shape[1] for b in batches}) == 3
@@ -115,6 +116,7 @@ def test_cuda_graph_modes_are_refused(tmp_path, mode: str) -> None:
         compile_decoder_layers(tiny_llama(), backend="eager", mode=mode)
 
 
+@pytest.mark.integration
 def test_trainer_compiles_policy_and_reference_layers_and_matches_eager(tmp_path, traceable_varlen) -> None:
     """torch_compile=True: the decoder layers of both models are compiled in place (not the whole model by
     accelerate), the reference stays a separate frozen copy, and the losses equal an eager run's."""

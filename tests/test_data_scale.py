@@ -250,6 +250,7 @@ def _losses(tmp_path, tok, train_dataset, **options) -> list[float]:
     return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
 
 
+@pytest.mark.integration
 def test_the_whole_pipeline_is_deterministic_across_runs_and_equals_the_list_path(tmp_path, tok):
     """Raw rows -> cache (1 or 2 workers, fresh caches) -> memory-mapped pairs -> training: the same losses in every
     run, and the same as training on the pairs tokenised in this process into Python lists (the path before)."""
@@ -348,6 +349,7 @@ def _rss_file_mib() -> float:
     raise AssertionError("no RssFile in /proc/self/status")
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status (Linux)")
 def test_the_rows_fingerprint_of_a_large_memory_mapped_dataset_is_read_by_a_child(tmp_path, monkeypatch):
     from pair_dpo_trainer.data import arrow
@@ -484,6 +486,7 @@ def store():
     return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=datetime.timedelta(seconds=30))
 
 
+@pytest.mark.integration
 def test_a_slow_local_main_is_waited_for_as_long_as_it_beats(store, monkeypatch):
     from pair_dpo_trainer.parallel import node
 

@@ -249,6 +249,7 @@ def _settled(path: Path) -> None:
     time.sleep(max(0.0, max(st.st_mtime_ns, st.st_ctime_ns) / 1e9 + RACY_SECONDS + 0.1 - time.time()))
 
 
+@pytest.mark.integration
 def test_the_nodes_other_ranks_take_the_local_mains_proof_unless_the_file_changed(tmp_path, prepared, monkeypatch):
     hashed = []
     real = prepared_module.digest_per_record

@@ -30,6 +30,7 @@ def _offline_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+@pytest.mark.integration
 def test_existing_trainer_script_trains_a_few_steps(tmp_path):
     out = tmp_path / "out"
     command = [sys.executable, str(SCRIPT), "--output_dir", str(out), "--max_steps", "5"]

@@ -185,6 +185,7 @@ def test_symlink_inside_snapshot_is_followed(snap: Path) -> None:
     assert "alias.json" in verify_snapshot(snap, REVISION).digests
 
 
+@pytest.mark.integration
 def test_one_gib_sparse_file_hashes_with_bounded_memory(tmp_path: Path) -> None:
     root = tmp_path / "big"
     root.mkdir()

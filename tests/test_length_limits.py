@@ -255,6 +255,7 @@ def test_a_prepared_dir_gives_its_limits_to_a_run_that_sets_none(tmp_path, tok, 
     assert (trainer.args.max_length, trainer.args.max_prompt_length) == (128, 64)
 
 
+@pytest.mark.integration
 def test_train_script_trains_on_a_prepared_dir_with_its_limits(tmp_path, prepared):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import train  # the repository's train.py

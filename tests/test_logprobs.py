@@ -333,6 +333,7 @@ def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeyp
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.integration
 def test_the_compiled_head_kernels_compute_what_the_eager_ones_do():
     """``torch_compile=True`` fuses the chunked head's element-wise work (``compile_head_kernels``): the same
     log-probs, statistics and gradients as the eager kernels, which match the full-logits reference."""

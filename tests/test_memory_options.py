@@ -78,6 +78,7 @@ def test_every_k_layers_checkpoints_the_layers_at_multiples_of_k_and_off_undoes_
     assert not any(layer._pair_dpo_checkpoint for layer in model.model.layers)
 
 
+@pytest.mark.integration
 def test_checkpointing_does_nothing_without_gradients_and_compiles_with_the_layer():
     torch.manual_seed(0)
     base = tiny_llama(0)
@@ -152,6 +153,7 @@ def test_auto_keeps_the_cheapest_mode_whose_measured_peak_fits():
     assert model.model.layers[1]._pair_dpo_checkpoint  # left marked with the choice
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("room", ["compiled_off_fits", "only_the_eager_choice_fits"])
 def test_auto_under_compile_measures_the_cheaper_modes_again_through_the_compiled_layers(tmp_path, monkeypatch, room):
     """The eager probe rejects "off"; once the layers are compiled they save less (inductor's partitioner), so
@@ -247,6 +249,7 @@ def test_fp8_converts_only_the_decoder_linears_and_keeps_names_and_parameters():
     assert convert_to_fp8(model, "tensorwise") == 0  # idempotent
 
 
+@pytest.mark.integration
 def test_fp8_trainer_pads_rows_to_16_starts_at_ln2_and_trains(tmp_path):
     trainer = _trainer(tmp_path / "a", fp8="tensorwise", max_steps=2, gradient_accumulation_steps=1)
     assert isinstance(trainer.data_collator, PackedPairCollator) and trainer.data_collator.pad_to_multiple_of == 16
@@ -291,6 +294,7 @@ def test_checkpointing_options_are_checked(tmp_path):
     assert any("no CUDA device" in text for _, text in problems)
 
 
+@pytest.mark.integration
 def test_a_checkpointed_trainer_reports_the_mode_and_matches_the_plain_losses(tmp_path, capsys):
     plain = _trainer(tmp_path / "plain", max_steps=2)
     plain.train()

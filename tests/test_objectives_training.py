@@ -97,6 +97,7 @@ def test_eval_logs_trl_token_metrics_from_the_chunked_head(tmp_path):
         assert metrics[key] == pytest.approx(float(value), rel=1e-5, abs=1e-6), key
 
 
+@pytest.mark.integration
 def test_training_logs_cumulative_num_tokens_that_survive_a_resume(tmp_path):
     pairs = synthetic_pairs(48, seed=2)
     straight = _trainer(tmp_path / "a", pairs, max_steps=4, logging_steps=2, save_strategy="no")
@@ -137,6 +138,7 @@ def test_ld_alpha_and_wpo_eval_losses_equal_the_padded_formula(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(float(expected.mean()), rel=1e-4)
 
 
+@pytest.mark.integration
 def test_precomputed_reference_applies_ld_alpha_like_the_online_one(tmp_path):
     pairs = synthetic_pairs(24, seed=3)
     options = {"ld_alpha": 0.2, "max_steps": 3, "learning_rate": 5e-2}
@@ -151,6 +153,7 @@ def test_precomputed_reference_applies_ld_alpha_like_the_online_one(tmp_path):
 
 
 # ---------------------------------------------------------------- BCO's running reward mean
+@pytest.mark.integration
 def test_bco_delta_is_the_mean_reward_of_all_previous_steps(tmp_path):
     pairs = synthetic_pairs(48, seed=3)
     trainer = _trainer(tmp_path, pairs, loss_type="bco_pair_shift", max_steps=3, learning_rate=5e-2)
@@ -171,6 +174,7 @@ def _losses_after(trainer, step):
 @pytest.mark.parametrize(
     "options", [{"loss_type": "bco_pair_shift"}, {"sync_ref_model": True, "ref_model_sync_steps": 2}]
 )
+@pytest.mark.integration
 def test_stateful_objectives_resume_exactly(tmp_path, options):
     pairs = synthetic_pairs(48, seed=2)
     common = {"max_steps": 5, "learning_rate": 5e-2, **options}
@@ -189,6 +193,7 @@ def test_stateful_objectives_resume_exactly(tmp_path, options):
         assert read_identity(checkpoint).synced_step == 2 and (checkpoint / SYNCED_REFERENCE_FILENAME).is_file()
 
 
+@pytest.mark.integration
 def test_bco_resume_without_its_state_is_refused(tmp_path):
     """A complete checkpoint of another objective has no BCO state (objective_state_missing); a BCO checkpoint
     without its state file is not complete (the checkpoint manifest lists it: checkpoint_incomplete)."""

@@ -351,6 +351,7 @@ def test_budget_counts_vary_by_step_and_fit_exactly():
     assert set(counts) == {1, 2}  # steps where some rank holds 10 + 10 need two micro-batches everywhere
 
 
+@pytest.mark.integration
 def test_budget_plan_of_a_million_heavy_tailed_pairs_keeps_the_budget():
     costs = heavy_mix(1_000_000, seed=0)  # the heaviest pair costs at most 2 * 4096 + 4096 + 4096 = 16384
     plan = plan_epoch_array(costs, world_size=8, pairs_per_rank=32, max_tokens_per_microbatch=16384, seed=0, epoch=0)

@@ -42,6 +42,7 @@ def _no_build(*args, **kwargs):
     raise AssertionError("the reference was built although the cache holds its log-probs")
 
 
+@pytest.mark.integration
 def test_precomputed_equals_online_and_the_cache_is_reused_without_building_the_reference(tmp_path, monkeypatch):
     online = _trainer(tmp_path, out="online")
     online.train()
@@ -62,6 +63,7 @@ def test_precomputed_equals_online_and_the_cache_is_reused_without_building_the_
     assert again.reference_identity == first.reference_identity  # from the cache, without the model
 
 
+@pytest.mark.integration
 def test_precompute_with_a_token_budget_keeps_its_micro_batches_within_it(tmp_path, monkeypatch):
     """The reference pass of a budget run packs by the same budget (and equals the online budget run)."""
     from pair_dpo_trainer.reference import precompute
@@ -84,6 +86,7 @@ def test_precompute_with_a_token_budget_keeps_its_micro_batches_within_it(tmp_pa
     assert _losses(pre) == pytest.approx(_losses(online), abs=1e-6)
 
 
+@pytest.mark.integration
 def test_a_different_key_recomputes(tmp_path):
     _trainer(tmp_path, precompute_ref_log_probs=True).train()
     cache = tmp_path / "out" / "ref_logps_cache"
@@ -101,6 +104,7 @@ def test_a_different_key_recomputes(tmp_path):
     assert len(set(cache.glob("ref_logps-*.pt")) - before) == 1 + 2 + 2
 
 
+@pytest.mark.integration
 def test_an_unreadable_cache_file_is_recomputed(tmp_path):
     _trainer(tmp_path, precompute_ref_log_probs=True).train()
     for path in (tmp_path / "out" / "ref_logps_cache").glob("ref_logps-*.pt"):
@@ -118,6 +122,7 @@ def test_evaluating_another_dataset_computes_its_log_probs(tmp_path):
     assert metrics["eval_loss"] == pytest.approx(online["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.integration
 def test_a_changed_pinned_reference_is_refused_on_resume_before_the_reference_pass(tmp_path):
     model_dir = tmp_path / "snapshot"
     shutil.copytree(bundled_model_dir(), model_dir)

@@ -78,6 +78,7 @@ def _assert_no_leftovers(out: Path) -> None:
         assert not [p.name for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.")]
 
 
+@pytest.mark.integration
 def test_outputs_manifest_and_disjoint_prompts(tmp_path, tokenizer_dir, demo_rows, capsys):
     source = _write_jsonl(tmp_path / "in.jsonl", _rows_with_duplicates_and_errors(demo_rows))
     out = tmp_path / "out"
@@ -107,6 +108,7 @@ def test_outputs_manifest_and_disjoint_prompts(tmp_path, tokenizer_dir, demo_row
     assert "accepted 75" in capsys.readouterr().out
 
 
+@pytest.mark.integration
 def test_byte_identical_reruns(tmp_path, tokenizer_dir, demo_rows, monkeypatch):
     source = _write_jsonl(tmp_path / "in.jsonl", _rows_with_duplicates_and_errors(demo_rows))
     assert _prepare([source], tmp_path / "a", tokenizer_dir) == 0
@@ -267,6 +269,7 @@ def _tokenizer(path: str):
     return _TOKENIZERS[path]
 
 
+@pytest.mark.integration
 def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(tmp_path, tokenizer_dir, demo_rows, capsys):
     source = _write_jsonl(tmp_path / "in.jsonl", demo_rows)
     tok = _tokenizer(tokenizer_dir)

@@ -62,6 +62,7 @@ def _reweight(snapshot_dir, scale: float) -> None:
             (snapshot_dir / rel).write_bytes(content)
 
 
+@pytest.mark.integration
 def test_pinned_reference_is_verified_and_identity_is_written_beside_every_checkpoint(tmp_path, capsys):
     model_dir = _copy_snapshot(tmp_path)
     trainer = _trainer(model_dir, tmp_path)
@@ -116,6 +117,7 @@ def test_tampered_snapshot_is_rejected_before_any_weight_is_loaded(tmp_path, mon
     assert info.value.reason_code == "hash_mismatch" and info.value.path == "model.safetensors"
 
 
+@pytest.mark.integration
 def test_resume_with_a_changed_reference_refuses_to_start(tmp_path):
     model_dir = _copy_snapshot(tmp_path)
     _trainer(model_dir, tmp_path).train()
@@ -131,6 +133,7 @@ def test_resume_with_a_changed_reference_refuses_to_start(tmp_path):
         torch.testing.assert_close(param, before[name], msg=name)
 
 
+@pytest.mark.integration
 def test_resume_with_probe_drift_only_warns_and_continues(tmp_path, caplog):
     model_dir = _copy_snapshot(tmp_path)
     _trainer(model_dir, tmp_path).train()
@@ -145,6 +148,7 @@ def test_resume_with_probe_drift_only_warns_and_continues(tmp_path, caplog):
     assert resumed.state.global_step == 3
 
 
+@pytest.mark.integration
 def test_resume_from_a_checkpoint_without_identity_is_refused(tmp_path):
     model_dir = _copy_snapshot(tmp_path)
     _trainer(model_dir, tmp_path).train()

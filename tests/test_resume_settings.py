@@ -60,6 +60,7 @@ def _resume(saved: tuple[Path, Path], tmp_path: Path, *changed: str) -> tuple[su
         (["--loss_type", "ipo"], "resume_objective_mismatch", "loss_type ['sigmoid'] -> ['ipo']"),
     ],
 )
+@pytest.mark.integration
 def test_a_changed_data_limit_or_objective_is_refused_before_anything_loads(saved, tmp_path, changed, code, named):
     resumed, out = _resume(saved, tmp_path, *changed)
     assert resumed.returncode == 1, resumed.stderr[-4000:]

@@ -159,6 +159,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.integration
 def test_two_runs_starting_at_the_same_instant_get_one_lock(tmp_path):
     out, start = tmp_path / "out", time.time() + 2  # both processes are up by then, and race for the lock
     env = {**os.environ, "PYTHONPATH": str(ROOT), "LOCK_HOLDER_START_AT": str(start)}
@@ -214,6 +215,7 @@ def _try(directory: Path, *prefix: str) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(_unshare_refusal() is not None, reason=str(_unshare_refusal()))
 def test_a_lock_held_in_another_pid_namespace_is_refused_and_a_dead_holders_is_taken_over(tmp_path):
     """Containers sharing a host name and a volume: the kernel lock, not the pid, tells whether the holder lives."""
@@ -357,6 +359,7 @@ STALL_TIMEOUT = 10
         ({"kind": "die"}, "peer_lost", "another rank died"),
     ],
 )
+@pytest.mark.integration
 def test_a_stalled_or_dead_rank_ends_the_other_rank_within_ddp_timeout_naming_the_collective(
     tmp_path, fault, code, named
 ):
@@ -476,6 +479,7 @@ def test_sigterm_to_torchrun_with_dataloader_workers_stops_every_rank_with_75_an
 
 
 # ---------------------------------------------------------------------------------------------- train.py
+@pytest.mark.integration
 @pytest.mark.parametrize("value", ["True", "latest"])
 def test_train_script_resumes_from_the_newest_complete_checkpoint(tmp_path, caplog, value):
     sys.path.insert(0, str(ROOT))

@@ -116,6 +116,7 @@ def test_trl_flags_and_yaml_keys_raise_unsupported_option_naming_the_equivalent(
     assert [text.split(":")[0] for _, text in key.value.problems] == ["padding_free", "precompute_ref_logps"]
 
 
+@pytest.mark.integration
 def test_help_lists_the_dpo_options_first_without_importing_the_trainer_or_peft(tmp_path):
     """``train.py --help`` builds the parser only: no trainer, no transformers ``Trainer``, no ``peft`` (which
     transformers' ``TrainingArguments`` would import) are imported, and the pair DPO options come first."""

@@ -165,6 +165,7 @@ def test_a_small_file_trains_on_all_its_rows_and_a_run_without_evaluation_prints
     assert any("train: chat template (150 conversations)" in line for line in out)
 
 
+@pytest.mark.integration
 def test_sigterm_while_train_py_reads_its_options_exits_75(tmp_path):
     """The stop-signal handler is train.py's first step: a real SIGTERM while it reads its config file (a FIFO, so
     the read waits at a known point inside the argument parsing) ends it with 75 and its ``[preempted]`` line, not

@@ -131,6 +131,7 @@ def test_training_improves_margins_and_logs_pair_metrics(tmp_path):
     assert trainer.evaluate()["eval_rewards/margins"] > 0.05
 
 
+@pytest.mark.integration
 def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     pairs = synthetic_pairs(48, seed=2)
     straight = _trainer(tmp_path / "a", pairs, max_steps=6, save_strategy="no")
@@ -178,6 +179,7 @@ def _history(trainer, key: str, after: int = 0) -> list[float]:
     return [entry[key] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > after]
 
 
+@pytest.mark.integration
 def test_budget_steps_equal_fixed_accumulation_on_the_same_global_batch(tmp_path):
     """8 pairs per step either as 2 x 4 (HF's accumulation) or packed by tokens into a varying number of micro-batches:
     the same pairs per step and the same loss scale, so the same losses, learning rates and parameters."""
@@ -206,6 +208,7 @@ def test_budget_steps_equal_fixed_accumulation_on_the_same_global_batch(tmp_path
     assert budget.evaluate()["eval_loss"] == pytest.approx(fixed.evaluate()["eval_loss"], abs=1e-6)
 
 
+@pytest.mark.integration
 def test_budget_resume_mid_epoch_equals_uninterrupted_run(tmp_path):
     pairs = synthetic_pairs(48, seed=2)
     options = dict(
@@ -224,6 +227,7 @@ def test_budget_resume_mid_epoch_equals_uninterrupted_run(tmp_path):
         torch.testing.assert_close(resumed_params[name], p_straight, atol=1e-6, rtol=0, msg=name)
 
 
+@pytest.mark.integration
 def test_budget_epochs_count_optimizer_steps_and_change_order(tmp_path):
     pairs = synthetic_pairs(20, seed=4)  # 20 // 8 = 2 steps per epoch
     trainer = _trainer(
@@ -251,6 +255,7 @@ def test_budget_epochs_count_optimizer_steps_and_change_order(tmp_path):
     assert sampler.rank_plan(0) != sampler.rank_plan(1)
 
 
+@pytest.mark.integration
 def test_pad_to_budget_pads_every_row_and_trains_identically(tmp_path):
     pairs = synthetic_pairs(32, seed=1)
     options = dict(

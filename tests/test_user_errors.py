@@ -71,6 +71,7 @@ def _verify(path: Path, revision: str = DEMO_REVISION) -> subprocess.CompletedPr
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.integration
 def test_verify_snapshot_rejects_a_tampered_copy_with_code_and_path(tmp_path):
     snapshot = tmp_path / "tiny-llama"
     shutil.copytree(bundled_model_dir(), snapshot)
@@ -286,6 +287,7 @@ def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess
     return subprocess.run(_train_command(*argv), capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
+@pytest.mark.integration
 def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceback_on_request(tmp_path):
     typo = str(tmp_path / "models" / "typo")
     argv = ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path()), "--output_dir", str(tmp_path)]
@@ -354,6 +356,7 @@ def test_too_few_pairs_is_raised_from_the_row_count_before_the_model_loads_or_ro
 # ------------------------------------------------------------------------------------------------ timeouts and disks
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("seconds", ["0", "-1"])
 def test_train_script_refuses_a_timeout_that_lets_no_collective_wait_before_it_loads_the_model(tmp_path, seconds):
     typo = str(tmp_path / "no-model")  # reached only after the options: model_not_found would mean they passed
@@ -367,6 +370,7 @@ def test_train_script_refuses_a_timeout_that_lets_no_collective_wait_before_it_l
 TMPFS_BYTES = 8 * 1024  # the train split of 300 demo rows (100 pairs) takes about 13 KiB tokenised
 
 
+@pytest.mark.integration
 @pytest.mark.skipif(not namespaces_available(), reason="needs root in a mount namespace (unshare) for a small tmpfs")
 def test_a_full_disk_while_building_the_pairs_cache_is_named_and_leaves_no_partial_entry(tmp_path):
     rows = tmp_path / "pairs.jsonl"

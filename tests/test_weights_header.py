@@ -200,6 +200,7 @@ def test_pin_refuses_a_broken_shard_listed_in_the_index(tmp_path):
     assert "truncated" in info.value.message
 
 
+@pytest.mark.integration
 def test_train_script_refuses_broken_reference_weights_before_loading_them(tmp_path):
     snapshot = _snapshot_with_weights(tmp_path, b"")
     argv = [

@@ -59,12 +59,14 @@ def test_pairs_match_the_trl_baseline_workload(bench):
     assert [r["rejected_input_ids"] for r in ours] == trl["rejected_ids"]
 
 
+@pytest.mark.integration
 def test_bs_for_tokens_picks_pairs_per_microbatch(bench):
     args = bench.parse_args(["--bs-for-tokens", "16384"])
     bs = bench.pairs_per_microbatch(args)
     assert 10 <= bs <= 20  # mean pair cost of the workload is ~1.1k tokens
 
 
+@pytest.mark.integration
 def test_tiny_cpu_run_prints_result_ceiling_and_profile(bench, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OUT", str(tmp_path))
     row = bench.main(
@@ -258,6 +260,7 @@ TRL_FLAGS = {  # the former trl_dpo_baseline.py's argparse flags, frozen: benchm
 }  # fmt: skip
 
 
+@pytest.mark.integration
 def test_budget_flags_and_heavy_mix(bench):
     args = bench.parse_args(["--mix", "heavy", "--bs", "32", "--max-tokens-per-microbatch", "16384", "--pad-to-budget"])
     config = bench.build_config(args, args.bs, 3, bf16=False)
@@ -274,6 +277,7 @@ def test_budget_flags_and_heavy_mix(bench):
             bench.parse_args(bad)
 
 
+@pytest.mark.integration
 def test_tiny_cpu_budget_run_counts_microbatches_and_times_the_microbatch_ceiling(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

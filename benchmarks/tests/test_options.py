@@ -154,6 +154,7 @@ def test_trl_tiny_qwen_lora_with_gradient_checkpointing_runs(tmp_path):
     assert row["mfu_noembed_989"] >= 0 and row["real_tok_s_gpu"] > 0
 
 
+@pytest.mark.integration
 def test_alloc_check_trains_through_the_library_api_and_records_the_allocator(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("OUT", raising=False)
     results = tmp_path / "a.jsonl"

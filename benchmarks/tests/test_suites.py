@@ -92,6 +92,7 @@ def test_problems_name_duplicate_tags_and_unproduced_ratio_operands():
     assert plan.problems(shaped) == []
 
 
+@pytest.mark.integration
 def test_cli_dry_run_prints_the_planned_commands_and_runs_nothing(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
@@ -226,6 +227,7 @@ def test_a_failing_run_does_not_stop_the_suite(tmp_path, monkeypatch, capsys):
     assert "rc=2 " in out and " bad " in out and "rc=0 " in out and " good " in out
 
 
+@pytest.mark.integration
 def test_device_script_dry_run_prints_the_commands_and_installs_nothing(tmp_path):
     site = tmp_path / "site"
     env = {**os.environ, "BENCH_SITE": str(site)}
