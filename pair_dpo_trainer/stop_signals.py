@@ -10,7 +10,7 @@ the parent: exit at once, silently) and ignores every other SIGTERM / SIGINT; th
 gone. Ignoring with ``SIG_IGN`` instead would also ignore the parent's own ``terminate()`` and can hang the parent's
 exit.
 
-Details: docs/architecture.md, "Module notes", ``stop_signals.py``.
+Details: pair_dpo_trainer/README.md, "Module notes", ``stop_signals.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Docs that tests keep true: every reason code raised anywhere is documented, every documented code is raised, every
-module is in docs/architecture.md (the docstring examples run through ``--doctest-modules``, see setup.cfg)."""
+module is in docs/architecture.md or its folder's README.md, every module note sits beside its module (the docstring
+examples run through ``--doctest-modules``, see setup.cfg)."""
 
 from __future__ import annotations
 
@@ -96,17 +97,45 @@ def test_every_documented_reason_code_is_raised() -> None:
     assert COMPUTED <= documented_codes()
 
 
-def test_every_module_is_in_the_architecture_doc() -> None:
-    """Named by its path inside the package (``data/normalize.py``), or by its file name when that is unique."""
+def _names(text: str, name: str) -> bool:
+    return re.search(r"(?<![\w/.])" + re.escape(name) + r"(?!\w)", text) is not None
+
+
+def test_every_module_is_in_the_architecture_doc_or_its_folder_readme() -> None:
+    """Named in docs/architecture.md by its path inside the package (``data/normalize.py``) or by its file name when
+    that is unique, or by its file name in its own folder's README.md (the package's README.md for a top-level one)."""
     doc = (ROOT / "docs" / "architecture.md").read_text()
     modules = [p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py") if p.name != "__init__.py"]
     names = collections.Counter(Path(m).name for m in modules)
 
-    def named(text: str) -> bool:
-        return re.search(r"(?<![\w/.])" + re.escape(text) + r"(?!\w)", doc) is not None
+    def described(module: str) -> bool:
+        name = Path(module).name
+        if _names(doc, module) or (names[name] == 1 and _names(doc, name)):
+            return True
+        readme = PACKAGE / Path(module).parent / "README.md"
+        return readme.is_file() and _names(readme.read_text(encoding="utf-8"), name)
 
-    missing = [m for m in sorted(modules) if not named(m) and not (names[Path(m).name] == 1 and named(Path(m).name))]
-    assert not missing, f"describe these modules in docs/architecture.md: {missing}"
+    missing = [m for m in sorted(modules) if not described(m)]
+    assert not missing, f"describe these modules in docs/architecture.md or their folder's README.md: {missing}"
+
+
+def test_every_module_note_sits_beside_its_module() -> None:
+    """A README's "## Module notes" has one ``### `name.py` `` section per module of its own folder, and the module's
+    docstring points there (so a renamed or removed module cannot leave a note behind)."""
+    readmes = sorted(PACKAGE.rglob("README.md"))
+    noted = 0
+    for readme in readmes:
+        parts = readme.read_text(encoding="utf-8").split("\n## Module notes\n", 1)
+        for name in re.findall(r"^### `([^`]+)`$", parts[1] if len(parts) == 2 else "", re.M):
+            module = readme.parent / name
+            assert module.is_file(), f"{readme.relative_to(ROOT)}: a note of {name}, which is not in that folder"
+            where = readme.relative_to(ROOT if readme.parent == PACKAGE else PACKAGE).as_posix()
+            pointer = f'{where}, "Module notes", ``{name}``'
+            assert pointer in " ".join(module.read_text(encoding="utf-8").split()), f"{module.name}: no {pointer!r}"
+            noted += 1
+    assert noted
+    stale = [p.relative_to(ROOT).as_posix() for p in PACKAGE.rglob("*.py") if "docs/architecture.md" in p.read_text()]
+    assert not stale, f"module notes are in each folder's README.md, not docs/architecture.md: {stale}"
 
 
 SUMMARY = re.compile(r"<!-- benchmark-summary:start -->\n.*?<!-- benchmark-summary:end -->", re.S)

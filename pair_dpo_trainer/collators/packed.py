@@ -2,7 +2,7 @@
 
 The row holds every pair's two sequences back to back, chosen first::
 
-Details: docs/architecture.md, "Module notes", ``collators/packed.py``.
+Details: collators/README.md, "Module notes", ``packed.py``.
 """
 
 from __future__ import annotations

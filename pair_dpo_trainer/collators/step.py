@@ -8,7 +8,7 @@ number of
 optimizer steps, so the Trainer's ``steps_in_epoch``, ``num_update_steps_per_epoch``, LR schedule, ``global_step`` and
 its resume skip (``global_step % steps_per_epoch`` items) all count optimizer steps.
 
-Details: docs/architecture.md, "Module notes", ``collators/step.py``.
+Details: collators/README.md, "Module notes", ``step.py``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ An entry is checked against the chunked digest its ``meta.json`` records each ti
 by the process that looks it up: each node's local main); one that does not match is logged, removed and rebuilt
 from the rows, never used.
 
-Details: docs/architecture.md, "Module notes", ``data/cache.py``.
+Details: data/README.md, "Module notes", ``cache.py``.
 """
 
 from __future__ import annotations

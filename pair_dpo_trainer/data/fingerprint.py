@@ -4,7 +4,7 @@
 another fingerprint is refused (``tokenizer_mismatch``, see :mod:`pair_dpo_trainer.data.prepared`): its token ids
 would mean other text to this model.
 
-Details: docs/architecture.md, "Module notes", ``data/fingerprint.py``.
+Details: data/README.md, "Module notes", ``fingerprint.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Accepted row shapes (``None`` counts as a missing field: ``datasets`` fills absent keys with ``None``):
 
-Details: docs/architecture.md, "Module notes", ``data/normalize.py``.
+Details: data/README.md, "Module notes", ``normalize.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 :func:`build_pairs` is what the trainer does with raw rows (a list or a ``datasets.Dataset``) and with a
 pre-tokenised ``datasets.Dataset``:
 
-Details: docs/architecture.md, "Module notes", ``data/pairs.py``.
+Details: data/README.md, "Module notes", ``pairs.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``pair-dpo prepare-data INPUT [INPUT...] --output DIR --tokenizer PATH [--train-size N] [--eval-size M] [--seed S]``
 
-Details: docs/architecture.md, "Module notes", ``data/prepare.py``.
+Details: data/README.md, "Module notes", ``prepare.py``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What ``prepare-data`` reads and writes: candidate rows tokenised in parallel chunks, then the two splits.
 
-Details: docs/architecture.md, "Module notes", ``data/prepare_rows.py``.
+Details: data/README.md, "Module notes", ``prepare_rows.py``.
 """
 
 from __future__ import annotations

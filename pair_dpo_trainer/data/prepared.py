@@ -5,7 +5,7 @@ The token ids of a prepared directory are only valid for the tokenizer and the l
 checks it once, before any row is used (:meth:`PreparedSplit.check`, called by
 :func:`~pair_dpo_trainer.data.dataset.as_pair_dataset`):
 
-Details: docs/architecture.md, "Module notes", ``data/prepared.py``.
+Details: data/README.md, "Module notes", ``prepared.py``.
 """
 
 from __future__ import annotations

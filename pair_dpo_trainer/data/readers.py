@@ -6,7 +6,7 @@ cached can change the result. Arrow needs one schema per file; a json/jsonl file
 hold (a line that is not an object, an empty file, ``[]``) is read again with the standard ``json`` module,
 so that such rows are rejected one by one (reason code ``schema``) instead of failing the whole file.
 
-Details: docs/architecture.md, "Module notes", ``data/readers.py``.
+Details: data/README.md, "Module notes", ``readers.py``.
 """
 
 from __future__ import annotations

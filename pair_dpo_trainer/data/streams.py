@@ -3,7 +3,7 @@
 A :class:`Chunk` is what one worker converts: its number, the 0-based index of its first row, and a payload that
 becomes the chunk's rows in the worker (:func:`chunk_rows`):
 
-Details: docs/architecture.md, "Module notes", ``data/streams.py``.
+Details: data/README.md, "Module notes", ``streams.py``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ first forward pass that meets it, naming no row. Ids come from the run's tokeniz
 embedding lacks), from a pre-tokenised dataset, a ``prepare-data`` split or a cache entry (tokenised by another
 tokenizer). :func:`check_token_ids` reads each id column once, vectorised (``pyarrow.compute`` min / max per batch of
 rows; the offending row is looked for only in a batch that holds one), and names the first offending row.
+
+Details: data/README.md, "Module notes", ``token_ids.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ of the template applied to prompt + completion turns, after checking that this r
 followed only by whitespace tokens (e.g. ``<|im_end|>\n``) that whitespace is dropped; if it does not emit EOS at
 all, EOS is appended.
 
-Details: docs/architecture.md, "Module notes", ``data/tokenize.py``.
+Details: data/README.md, "Module notes", ``tokenize.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Rows are cut into chunks of a fixed size (:data:`CHUNK_ROWS`, never a function o
 back in chunk order, so whatever the number of workers the caller sees the same sequence of results: the same
 accepted rows in the same order, the same rejection counts and examples, and byte-identical files written from them.
 
-Details: docs/architecture.md, "Module notes", ``data/workers.py``.
+Details: data/README.md, "Module notes", ``workers.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Usage (from the repository root)::
 
-Details: docs/architecture.md, "Module notes", ``demo/build.py``.
+Details: demo/README.md, "Module notes", ``build.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ HF ``Trainer._save_checkpoint`` (the same code in transformers 5.17 and 5.24) wr
 writes into ``<output_dir>/.pair_dpo_staging/checkpoint-N`` instead (its ``_get_output_dir`` is pointed there for the
 duration of the save; every rank writes its own files, DeepSpeed ZeRO-3 shards and RNG states included), then:
 
-Details: docs/architecture.md, "Module notes", ``fault_tolerance/checkpoint.py``.
+Details: fault_tolerance/README.md, "Module notes", ``checkpoint.py``.
 """
 
 from __future__ import annotations

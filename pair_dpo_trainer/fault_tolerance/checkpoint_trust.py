@@ -25,6 +25,8 @@ name inside it, and DeepSpeed is handed the scanned tag (:func:`deepspeed_loads_
 again.
 
 The reference identity (``pair_dpo_reference.json``) is not in the manifest: the reference gate judges it.
+
+Details: fault_tolerance/README.md, "Module notes", ``checkpoint_trust.py``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ process under it) and SIGKILL what still runs 5 s later: the run then says that 
 those 5 s.
 
 Details: docs/guide.md section 12 (what each launcher does with the signal).
+How a launcher is detected: fault_tolerance/README.md, "Module notes", ``launcher.py``.
 """
 
 from __future__ import annotations

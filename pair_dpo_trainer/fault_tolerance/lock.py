@@ -12,7 +12,7 @@ lock is taken over only when its holder is proven dead (:func:`judge`); anything
 ``output_dir_in_use``, naming the holder, its last heartbeat, and ``PAIR_DPO_TAKE_OVER_LOCK=<token>``, which takes
 over that one holding (never one whose kernel lock is held).
 
-Details: docs/architecture.md, "Module notes", ``fault_tolerance/lock.py``.
+Details: fault_tolerance/README.md, "Module notes", ``lock.py``.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ A second SIGINT aborts at once (``KeyboardInterrupt``: Ctrl-C twice); a second S
 torchrun repeat it). A handler inherited by a forked child does nothing: its parent decides. Every rank that stops
 prints one ``pair_dpo: rank R: [preempted] ...`` line, and :data:`PREEMPTED_MARKER` is written into ``output_dir``, so a
 requeue script can tell a preemption from a failure where a launcher replaces 75 by its own exit code.
+
+Details: fault_tolerance/README.md, "Module notes", ``preemption.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``resume_from_checkpoint`` accepts, in ``PairDPOTrainer.train`` and as ``--resume_from_checkpoint`` of ``train.py``
 (where ``TrainingArguments`` keeps it as a string):
 
-Details: docs/architecture.md, "Module notes", ``fault_tolerance/resume.py``.
+Details: fault_tolerance/README.md, "Module notes", ``resume.py``.
 """
 
 from __future__ import annotations

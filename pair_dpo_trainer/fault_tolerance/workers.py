@@ -6,6 +6,8 @@ training process finishes its step, saves and shuts them down itself.
   first, then the user's own function (``PairDPOTrainer.worker_init_fn``) if there is one.
 - :class:`StopSafeDataLoader` always has one, and forks its workers with SIGTERM and SIGINT blocked, so none arrives
   before the filter runs (the mask is inherited; a signal for the parent is delivered when the fork is done).
+
+Details: fault_tolerance/README.md, "Module notes", ``workers.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 ``pair_dpo_reference.json`` (sorted keys, indent 2, written atomically) holds:
 
-Details: docs/architecture.md, "Module notes", ``integrity/identity.py``.
+Details: integrity/README.md, "Module notes", ``identity.py``.
 """
 
 from __future__ import annotations

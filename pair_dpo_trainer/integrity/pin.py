@@ -1,6 +1,6 @@
 """``pair-dpo pin DIR``: pin a local model directory (a ``save_pretrained`` output) so it verifies like a Hub download.
 
-Details: docs/architecture.md, "Module notes", ``integrity/pin.py``.
+Details: integrity/README.md, "Module notes", ``pin.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Hashing a 70B snapshot reads ~140 GB; every rank of a node doing it reads the sa
 (:func:`pair_dpo_trainer.reference.source.resolve_reference_source` through
 :class:`~pair_dpo_trainer.parallel.node.Node`):
 
-Details: docs/architecture.md, "Module notes", ``integrity/proof.py``.
+Details: integrity/README.md, "Module notes", ``proof.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 How it plugs into transformers 5.x (checked in 5.17 and 5.24):
 
-Details: docs/architecture.md, "Module notes", ``modeling/attention.py``.
+Details: modeling/README.md, "Module notes", ``attention.py``.
 """
 
 from __future__ import annotations

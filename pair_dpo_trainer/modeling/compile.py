@@ -2,7 +2,7 @@
 
 Why regional, in place and dynamic:
 
-Details: docs/architecture.md, "Module notes", ``modeling/compile.py``.
+Details: modeling/README.md, "Module notes", ``compile.py``.
 """
 
 from __future__ import annotations

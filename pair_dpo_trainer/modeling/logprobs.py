@@ -1,6 +1,6 @@
 """Per-sequence log-probabilities of completions, for packed rows (chunked) and padded rows (reference).
 
-Details: docs/architecture.md, "Module notes", ``modeling/logprobs.py``.
+Details: modeling/README.md, "Module notes", ``logprobs.py``.
 """
 
 from __future__ import annotations

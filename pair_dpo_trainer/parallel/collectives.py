@@ -2,7 +2,7 @@
 
 Two gaps close here:
 
-Details: docs/architecture.md, "Module notes", ``parallel/collectives.py``.
+Details: parallel/README.md, "Module notes", ``collectives.py``.
 """
 
 from __future__ import annotations

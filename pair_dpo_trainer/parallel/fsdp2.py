@@ -6,7 +6,7 @@ The policy is sharded by Accelerate itself (``FullyShardedDataParallelPlugin`` w
 the plugin's ``reshard_after_forward``, mixed precision, CPU offload and activation checkpointing. This module only
 makes sure that the FSDP2 the user asked for is what runs, and tells the packed path when a module is sharded:
 
-Details: docs/architecture.md, "Module notes", ``parallel/fsdp2.py``.
+Details: parallel/README.md, "Module notes", ``fsdp2.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Used for what every rank of a node would otherwise repeat: tokenising the datasets (the other ranks then
 memory-map the Arrow files it wrote) and hashing the reference snapshot (the other ranks check its proof).
 
-Details: docs/architecture.md, "Module notes", ``parallel/node.py``.
+Details: parallel/README.md, "Module notes", ``node.py``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ projections, 3 MLP projections, 2 norms, the rotary embedding), so a 24-layer mo
 per forward and as many again in backward. With small per-GPU batches that host work, not the GPU, sets the step
 time (measured on 2 GPUs: ``docs/benchmarks.md``, ZeRO-3 sections).
 
-Details: docs/architecture.md, "Module notes", ``parallel/zero3.py``.
+Details: parallel/README.md, "Module notes", ``zero3.py``.
 """
 
 from __future__ import annotations

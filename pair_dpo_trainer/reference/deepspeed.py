@@ -3,7 +3,7 @@
 With DeepSpeed the frozen reference is a second ``deepspeed.initialize``-d engine built from the run's DeepSpeed
 configuration (the one the Trainer uses for the policy), changed as follows:
 
-Details: docs/architecture.md, "Module notes", ``reference/deepspeed.py``.
+Details: reference/README.md, "Module notes", ``deepspeed.py``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Under an FSDP2 policy (``parallel.fsdp2``) the frozen reference is never given to Accelerate (it has no optimizer;
 ``accelerator.prepare`` takes one model). It is built here, in one of two layouts (``PairDPOConfig.ref_fsdp_shard``):
 
-Details: docs/architecture.md, "Module notes", ``reference/fsdp.py``.
+Details: reference/README.md, "Module notes", ``fsdp.py``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Timeline of a run (:class:`ReferenceManager`):
 
-Details: docs/architecture.md, "Module notes", ``reference/manager.py``.
+Details: reference/README.md, "Module notes", ``manager.py``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ that has stopped). The per-pair log-probs are gathered over the CPU group, writt
 then carry ``ref_chosen_logps`` / ``ref_rejected_logps``; the collator packs them into ``PackedPairBatch.ref_logps``
 and :class:`PrecomputedReference` returns them, so the reference model is freed before the first step.
 
-Details: docs/architecture.md, "Module notes", ``reference/precompute.py``.
+Details: reference/README.md, "Module notes", ``precompute.py``.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Training drops the remainder smaller than one step; evaluation must not. The las
 pairs, and under ZeRO-3 every rank must still run the same number of forwards, so such a rank gets a duplicate pair
 of weight 0: it runs the forward, and its metrics do not count.
 
-Details: docs/architecture.md, "Module notes", ``samplers/evaluation.py``.
+Details: samplers/README.md, "Module notes", ``evaluation.py``.
 """
 
 from __future__ import annotations

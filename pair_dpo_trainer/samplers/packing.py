@@ -4,7 +4,7 @@ The budget half of :func:`~pair_dpo_trainer.samplers.planner.plan_epoch` (pure n
 ``steps * world_size`` rank rows at once; the Python loops run over the ``P`` pair slots of a row and over split
 rounds, never over steps or pairs):
 
-Details: docs/architecture.md, "Module notes", ``samplers/packing.py``.
+Details: samplers/README.md, "Module notes", ``packing.py``.
 """
 
 from __future__ import annotations

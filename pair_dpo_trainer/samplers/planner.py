@@ -5,8 +5,7 @@ seed, epoch)`` returns ``plan[step][rank][microbatch] -> list of pair indices``.
 same plan as an :class:`EpochPlan` (``int64`` arrays), which is what the sampler keeps.
 
 Algorithm (three steps: global batches from the seed, ranks balanced, micro-batches) and guarantees:
-docs/architecture.md,
-"Module notes", ``samplers/planner.py``.
+samplers/README.md, "Module notes", ``planner.py``.
 
 Example:
     >>> costs = [10, 1, 1, 10, 5, 5, 3, 7]

@@ -7,7 +7,7 @@ for one micro-batch. :func:`run_step` is that ``training_step``: it runs the ite
 through HF's own micro-batch ``training_step`` (forward, loss, ``accelerator.backward``) and controls when gradients
 are synchronised, as HF's inner loop does for its fixed count:
 
-Details: docs/architecture.md, "Module notes", ``training/accumulation.py``.
+Details: training/README.md, "Module notes", ``accumulation.py``.
 """
 
 from __future__ import annotations
