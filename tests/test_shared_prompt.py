@@ -229,3 +229,103 @@ def test_shared_equals_unshared_in_float64(case, backend, float64_llama, monkeyp
                 assert got is None
                 continue
             assert _relative(got, want) <= 1e-10, (objective, param_name)
+
+
+# ---------------------------------------------------------------- the option, the planner's cost, resume, the cache
+@pytest.mark.parametrize("arch,supported", [("llama", True), ("qwen2", True), ("qwen2_sliding", False),
+                                            ("mistral_sliding", False)])  # fmt: skip
+def test_share_prompt_resolves_per_model_and_refuses_an_explicit_request_it_cannot_honour(arch, supported) -> None:
+    from pair_dpo_trainer.errors import ConfigError
+    from pair_dpo_trainer.modeling.attention import resolve_share_prompt
+    from tests.test_logprobs import tiny_model
+
+    model = tiny_model(arch)
+    enable_pair_varlen(model, "sdpa_segments", device="cpu")
+    share, reason = resolve_share_prompt(None, model)
+    assert share is supported and (reason is None) is supported
+    assert resolve_share_prompt(False, model) == (False, "share_prompt=False")
+    if supported:
+        assert resolve_share_prompt(True, model) == (True, None)
+        return
+    assert "sliding-window" in reason
+    with pytest.raises(ConfigError) as refused:
+        resolve_share_prompt(True, model)
+    assert refused.value.reason_code == "share_prompt_unsupported" and "share_prompt" in str(refused.value)
+
+
+def test_a_bad_share_prompt_value_is_refused(tmp_path) -> None:
+    from pair_dpo_trainer.errors import ConfigError
+    from tests.dpo_fixtures import cpu_config
+
+    with pytest.raises(ConfigError) as refused:
+        cpu_config(tmp_path, share_prompt="yes")
+    assert [code for code, _ in refused.value.problems] == ["bad_share_prompt"]
+
+
+def test_the_run_summary_names_the_layout(tmp_path) -> None:
+    from pair_dpo_trainer.training.summary import run_summary
+    from tests.dpo_fixtures import cpu_config
+
+    args = cpu_config(tmp_path)
+    assert "| layout shared prompt |" in run_summary(args, attn_backend="x", share_prompt=True)
+    why = "MistralForCausalLM has sliding-window attention layers (sliding_window=6)"
+    line = run_summary(args, attn_backend="x", share_prompt=False, unshared_reason=why)
+    assert f"| layout unshared ({why}) |" in line
+
+
+def _budget_trainer(tmp_path, pairs, **options):
+    from pair_dpo_trainer import PairDPOTrainer
+    from tests.dpo_fixtures import cpu_config
+    from tests.models import tiny_tokenizer
+
+    budget = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_tokens_per_microbatch=60)
+    return PairDPOTrainer(
+        model=tiny_llama(0),
+        args=cpu_config(tmp_path, max_steps=3, **budget, **options),
+        train_dataset=pairs,
+        eval_dataset=pairs[:12],
+        processing_class=tiny_tokenizer(),
+    )
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_the_budget_plans_prompt_plus_completions_and_trains_as_the_unshared_layout(tmp_path) -> None:
+    """Under a token budget a shared pair costs P + C + R: the planner packs more pairs per micro-batch, every row
+    keeps to the budget, and the run's losses and parameters equal the unshared run's (fp32 noise)."""
+    from tests.dpo_fixtures import synthetic_pairs
+
+    pairs = synthetic_pairs(32, seed=1)
+    shared = _budget_trainer(tmp_path / "shared", pairs, share_prompt=True)
+    plain = _budget_trainer(tmp_path / "plain", pairs, share_prompt=False)
+    expected = [sum(len(p[k]) for k in FEATURES) for p in pairs]
+    assert shared._costs(shared.train_dataset).tolist() == expected
+    assert plain._costs(plain.train_dataset).tolist() == [
+        c + len(p["prompt_input_ids"]) for c, p in zip(expected, pairs, strict=True)
+    ]
+    steps = list(shared.get_train_dataloader())
+    assert all(mb.shares_prompt and mb.num_tokens <= 60 for step in steps for mb in step.microbatches)
+    shared.train()
+    plain.train()
+    assert sum(shared._train_sampler.microbatch_counts()) < sum(plain._train_sampler.microbatch_counts())
+    assert _losses(shared) == pytest.approx(_losses(plain), abs=1e-6)
+    plain_params = dict(plain.model.named_parameters())
+    for name, param in shared.model.named_parameters():
+        torch.testing.assert_close(param, plain_params[name], atol=2e-5, rtol=0, msg=name)
+    assert shared.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], abs=1e-6)
+
+
+def test_resuming_with_the_other_layout_is_refused(tmp_path) -> None:
+    from pair_dpo_trainer.errors import CheckpointError
+    from tests.dpo_fixtures import synthetic_pairs
+
+    pairs = synthetic_pairs(32, seed=1)
+    _budget_trainer(tmp_path, pairs, save_strategy="steps", save_steps=2).train()
+    checkpoint = str(tmp_path / "out" / "checkpoint-2")
+    with pytest.raises(CheckpointError) as refused:
+        _budget_trainer(tmp_path, pairs, share_prompt=False).train(resume_from_checkpoint=checkpoint)
+    assert refused.value.reason_code == "resume_data_mismatch" and "layout 'shared_prompt' -> None" in str(
+        refused.value
+    )

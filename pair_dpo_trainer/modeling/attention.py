@@ -207,6 +207,47 @@ def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: to
     return resolved
 
 
+def share_prompt_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the shared-prompt layout, or None when it can.
+
+    Needs the ``pair_varlen`` attention (the only one that reads the gathered key segments), a model class that
+    hands the forward's keywords to its attention function (transformers' ``_supports_attention_backend``: the
+    ``pair_kv_index`` keyword must reach every layer) and no sliding-window layer (a window over ``[p r]`` keys
+    would need the key offsets of the unshared sequence).
+    """
+    target = unwrap_model(model)
+    config = target.config
+    if config._attn_implementation != PAIR_VARLEN:
+        return f"its attention is {config._attn_implementation!r}, not {PAIR_VARLEN!r}"
+    if not getattr(target, "_supports_attention_backend", False):
+        return f"{type(target).__name__} does not pass the forward's keywords to its attention function"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = any("sliding" in str(kind) for kind in layer_types)
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if sliding:
+        return f"{type(target).__name__} has sliding-window attention layers (sliding_window={config.sliding_window})"
+    return None
+
+
+def resolve_share_prompt(requested: bool | None, model: torch.nn.Module) -> tuple[bool, str | None]:
+    """The layout a run uses: ``(share, why_not)``; ``requested`` is ``PairDPOConfig.share_prompt``.
+
+    Raises:
+        ConfigError: ``share_prompt_unsupported`` when ``requested`` is True and the model cannot run it.
+    """
+    if requested is False:
+        return False, "share_prompt=False"
+    reason = share_prompt_unsupported_reason(model)
+    if reason is not None and requested:
+        raise ConfigError(
+            "share_prompt_unsupported",
+            f"share_prompt=True, but {reason}: set share_prompt=None (the unshared layout where unsupported) or False.",
+        )
+    return reason is None, reason
+
+
 def packed_forward_kwargs(batch: PackedPairBatch) -> dict[str, Any]:
     """Keyword arguments of a packed forward: ids, positions, varlen boundaries and ``use_cache=False``.
 
