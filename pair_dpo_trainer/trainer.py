@@ -559,7 +559,8 @@ class PairDPOTrainer(Trainer):
                 losses,
                 self.args.beta,
                 weights=inputs.pair_weights,
-                num_tokens=inputs.num_real_tokens,  # pad segments are not the data's tokens
+                num_tokens=inputs.num_unshared_tokens,  # TRL's count: each prompt twice, no pad segment
+                packed_tokens=inputs.num_real_tokens,  # what ran: a shared prompt once
                 components=output.components,
                 token_stats=policy.token_stats,
             )

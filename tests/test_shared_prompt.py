@@ -281,7 +281,7 @@ def _budget_trainer(tmp_path, pairs, **options):
     budget = dict(per_device_train_batch_size=8, gradient_accumulation_steps=1, max_tokens_per_microbatch=60)
     return PairDPOTrainer(
         model=tiny_llama(0),
-        args=cpu_config(tmp_path, max_steps=3, **budget, **options),
+        args=cpu_config(tmp_path, **{"max_steps": 3, **budget, **options}),
         train_dataset=pairs,
         eval_dataset=pairs[:12],
         processing_class=tiny_tokenizer(),
@@ -329,3 +329,21 @@ def test_resuming_with_the_other_layout_is_refused(tmp_path) -> None:
     assert refused.value.reason_code == "resume_data_mismatch" and "layout 'shared_prompt' -> None" in str(
         refused.value
     )
+
+
+def test_metrics_count_tokens_as_trl_does_and_as_packed(tmp_path) -> None:
+    """``num_tokens`` / ``tokens_per_second`` count each prompt twice (TRL's numbers), ``packed_tokens_per_second``
+    the tokens that ran; the FLOPs count the tokens that ran."""
+    from tests.dpo_fixtures import synthetic_pairs
+
+    pairs = synthetic_pairs(32, seed=1)
+    trainer = _budget_trainer(tmp_path, pairs, max_steps=1)
+    step = next(iter(trainer.get_train_dataloader()))
+    trainer.train()
+    (logged,) = [entry for entry in trainer.state.log_history if "num_tokens" in entry]
+    step_pairs = [pairs[i] for microbatch in trainer._train_sampler.rank_plan(0)[0] for i in microbatch]
+    packed = sum(len(p[k]) for p in step_pairs for k in FEATURES)
+    twice = packed + sum(len(p["prompt_input_ids"]) for p in step_pairs)
+    assert logged["num_tokens"] == twice and step.num_unshared_tokens == twice and step.num_real_tokens == packed
+    assert logged["packed_tokens_per_second"] / logged["tokens_per_second"] == pytest.approx(packed / twice)
+    assert trainer.floating_point_ops(step) == 8 * trainer._flop_params * packed
