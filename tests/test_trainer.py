@@ -139,6 +139,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     first.train()
     resumed = _trainer(tmp_path / "b", pairs, max_steps=6, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-3"))
+    assert straight.share_prompt and resumed.share_prompt  # the default layout: each prompt packed once
 
     def losses(trainer):
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > 3]
@@ -224,7 +225,7 @@ def test_budget_resume_mid_epoch_equals_uninterrupted_run(tmp_path):
     first.train()
     resumed = _trainer(tmp_path / "b", pairs, save_strategy="no", **options)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
-    assert resumed.state.global_step == 5
+    assert resumed.state.global_step == 5 and resumed.share_prompt
     assert _history(resumed, "loss", after=2) == pytest.approx(_history(straight, "loss", after=2), abs=1e-6)
     resumed_params = dict(resumed.model.named_parameters())
     for name, p_straight in straight.model.named_parameters():
