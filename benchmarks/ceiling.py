@@ -4,6 +4,7 @@ the issue's definition, DOCS x LEN-token documents in one row (``--ceiling-shape
 from __future__ import annotations
 
 import argparse
+import copy
 import gc
 import time
 from typing import Any
@@ -57,14 +58,17 @@ def shape_batches(
 ) -> list[Any]:
     """Per step: ``docs`` random documents of exactly ``length`` tokens packed into ONE row on the device.
 
-    Built with the trainer's own collator as ``docs / 2`` pairs of a 1-token prompt and two ``length - 1``-token
-    completions, so ``cu_seqlens`` is ``0, length, 2 length, ...`` and every token after a document's first is
-    scored (``length - 1`` log-probs per document). Ids are drawn from ``[3, vocab)`` like the workload's.
+    Built with the trainer's own collator (in the unshared layout: the documents stay apart) as ``docs / 2`` pairs
+    of a 1-token prompt and two ``length - 1``-token completions, so ``cu_seqlens`` is ``0, length, 2 length, ...``
+    and every token after a document's first is scored (``length - 1`` log-probs per document). Ids are drawn from
+    ``[3, vocab)`` like the workload's.
 
     Example:
         One row of 2 x 16 tokens: ``cu_seqlens == [0, 16, 32]``, 30 scored tokens.
     """
     rng = np.random.default_rng(seed + 7919)
+    collator = copy.copy(trainer.data_collator)
+    collator.share_prompt = False
     batches = []
     for _ in range(steps):
         pairs = [
@@ -75,7 +79,7 @@ def shape_batches(
             }
             for _ in range(docs // 2)
         ]
-        batches.append([trainer.data_collator(pairs).to(trainer.args.device)])
+        batches.append([collator(pairs).to(trainer.args.device)])
     return batches
 
 

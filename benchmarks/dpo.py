@@ -10,13 +10,18 @@ of the two sides are directly comparable (``python -m benchmarks.run`` runs both
   the same ``(warmup + steps + 2) * pairs_per_step * world`` pairs, so both sides see the same pair pool;
 * a ``TrainerCallback`` synchronises CUDA at ``on_step_begin`` / ``on_step_end`` only; step times are differences of
   consecutive ``on_step_end`` times (TRL's method: data loading, all micro-batches, clipping and the optimizer step);
-  the first ``--warmup`` steps are excluded; tokens/s = real tokens of the timed steps (prompt + chosen and prompt +
-  rejected, the prompt counted twice) / the sum of their step times, per GPU;
+  the first ``--warmup`` steps are excluded; tokens/s (``real_tok_s_gpu``) = the tokens packed and computed in the
+  timed steps (prompt + chosen + rejected per pair with ``share_prompt``, else prompt + chosen and prompt + rejected)
+  / the sum of their step times, per GPU; ``trl_tok_s_gpu`` counts the same steps' tokens as TRL computes them (each
+  prompt twice), the like-for-like figure against a TRL row; rows carry ``share_prompt`` (the layout that ran),
+  ``trl_tokens_per_step`` and ``prompt_tokens_saved_frac`` (``--share-prompt`` / ``--no-share-prompt`` set
+  ``PairDPOConfig.share_prompt``; neither: the config's default, on where the model supports it);
 * MFU: ``mfu8N_989`` / ``mfu8N_790`` are TRL's formula exactly (8 x ALL parameters per token, embeddings included,
   against 989 / 790 TFLOP/s); ``mfu_noembed_989`` uses ``k x`` the non-embedding parameters (``k`` = 8 with a
   reference: 6 for the policy's forward and backward + 2 for the reference forward; 6 with ``--reference free``;
   non-embedding = all parameters minus the input embedding, the LM head counted), ``mfu_allparams_989`` the same
-  ``k`` with all parameters. Attention FLOPs are excluded everywhere.
+  ``k`` with all parameters. Attention FLOPs are excluded everywhere. Every MFU counts the tokens packed (the FLOPs
+  done: a shared prompt once).
 
 Ceilings (raw loops after training, same process, same model and reference, optimizer state dropped; policy
 ``packed_sequence_logps`` forward + backward plus the reference's no-grad forward under bf16 autocast, CUDA sync
@@ -117,6 +122,7 @@ NEW_FIELDS = {  # PairDPOConfig field -> the flag that sets it (passed only when
     "activation_checkpointing_mode": "--activation-checkpointing",
     "activation_offload": "--activation-offload",
     "fp8": "--fp8",
+    "share_prompt": "--share-prompt / --no-share-prompt",
 }
 
 
@@ -169,6 +175,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PairDPOConfig.max_tokens_per_microbatch (token budget): --bs is then pairs per GPU per step, --ga 1",
     )
     p.add_argument("--pad-to-budget", action="store_true", help="PairDPOConfig.pad_to_budget (needs the budget)")
+    p.add_argument(
+        "--share-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="PairDPOConfig.share_prompt: --share-prompt requires the prompt packed once, --no-share-prompt packs it "
+        "twice (TRL's layout); neither: the config's default (on where the model supports it)",
+    )
     p.add_argument("--mix", choices=("trl", "heavy"), default="trl", help="trl: TRL's workload; heavy: heavy tail")
     p.add_argument("--steps", type=int, help="timed optimizer steps (30)")
     p.add_argument("--warmup", type=int, help="untimed first steps (5)")
@@ -371,13 +384,14 @@ def trainer_fields(config_class: type = PairDPOConfig) -> set[str]:
 
 
 def new_option_kwargs(args: argparse.Namespace, fields: set[str]) -> dict[str, Any]:
-    """``activation_checkpointing`` / ``activation_offload`` / ``fp8`` for the flags given (nothing for the flags left
-    out, so the config's defaults run); SystemExit when a flag is given and ``PairDPOConfig`` lacks its field, or
-    ``--fp8`` without torchao."""
+    """``activation_checkpointing`` / ``activation_offload`` / ``fp8`` / ``share_prompt`` for the flags given (nothing
+    for the flags left out, so the config's defaults run); SystemExit when a flag is given and ``PairDPOConfig`` lacks
+    its field, or ``--fp8`` without torchao."""
     given = {
         "activation_checkpointing_mode": args.activation_checkpointing,
         "activation_offload": True if args.activation_offload else None,
         "fp8": args.fp8,
+        "share_prompt": getattr(args, "share_prompt", None),
     }
     kwargs = {name: value for name, value in given.items() if value is not None}
     for name in kwargs:
@@ -434,6 +448,8 @@ class BenchTrainer(PairDPOTrainer):
         seqs = inputs.num_sequences
         real = int(inputs.cu_seqlens.numpy()[seqs]) if inputs.cu_seqlens.device.type == "cpu" else inputs.num_tokens
         self.probe.tokens.append((self.state.global_step, real, inputs.num_tokens))
+        trl_count = getattr(inputs, "num_unshared_tokens", real)  # each prompt twice, as TRL computes them
+        self.probe.trl_tokens.append((self.state.global_step, trl_count))
         self.probe.open_region("bench::microbatch")
         try:
             return super().training_step(model, inputs, num_items_in_batch)
@@ -480,6 +496,7 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "microbatch_tokens_max": max(x[2] for x in log),
         "padding_frac": round(1 - real / padded, 4),
         "real_tok_s_gpu_from_median": round(real / steps / statistics.median(dts), 1),
+        **layout_fields(trainer, probe, log, real, sum(dts)),
         "n_params": ctx["params"][0],
         "n_params_no_embed": ctx["params"][1],
         "n_params_trainable": ctx["trainable"],
@@ -495,6 +512,22 @@ def result_row(ctx: dict[str, Any], probe: Probe, trainer: BenchTrainer) -> dict
         "first_step_s": round(probe.ends[0] - probe.begins[0], 3) if probe.ends else None,
         **(graph_fields(probe.graphs0, probe.graphs, len(probe.ends) - steps) if probe.count_graphs else {}),
         "tf32_matmul": tf32_matmul(),
+    }
+
+
+def layout_fields(
+    trainer: BenchTrainer, probe: Probe, log: list[tuple[int, int, int]], real: int, seconds: float
+) -> dict[str, Any]:
+    """The packed layout that ran and the timed steps' tokens as TRL computes them (each prompt twice) next to the
+    tokens packed (``real``): their rate, per step, and the fraction the shared prompt saved."""
+    timed = {step for step, _, _ in log}
+    trl = sum(count for step, count in probe.trl_tokens if step in timed)
+    return {
+        "share_prompt": getattr(trainer, "share_prompt", False),
+        "unshared_reason": getattr(trainer, "unshared_reason", None),
+        "trl_tokens_per_step": round(trl / max(len(timed), 1), 1),
+        "trl_tok_s_gpu": round(trl / seconds, 1),
+        "prompt_tokens_saved_frac": round(1 - real / trl, 4) if trl else 0.0,
     }
 
 

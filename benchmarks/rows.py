@@ -42,6 +42,7 @@ class Probe:
         self.begins: list[float] = []
         self.ends: list[float] = []
         self.tokens: list[tuple[int, int, int]] = []  # (step, real tokens, row length T) per micro-batch
+        self.trl_tokens: list[tuple[int, int]] = []  # (step, tokens with each prompt twice) per micro-batch
         self.profile_step = profile_step
         self.profiler: Any = None
         self.events: Any = None

@@ -43,7 +43,7 @@ from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
 from pair_dpo_trainer.losses.registry import scores_chosen_prompts
-from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+from pair_dpo_trainer.modeling.attention import enable_pair_varlen, resolve_share_prompt
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
 from pair_dpo_trainer.modeling.paths import require_model_directory
@@ -81,7 +81,13 @@ from pair_dpo_trainer.training.resume_settings import (
     resume_settings,
 )
 from pair_dpo_trainer.training.schedule import check_eval_requested, check_train_rows, train_sampler
-from pair_dpo_trainer.training.summary import RunFacts, announce_node, announce_run, precision_summary
+from pair_dpo_trainer.training.summary import (
+    RunFacts,
+    announce_node,
+    announce_run,
+    first_step_layout,
+    precision_summary,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +161,7 @@ class PairDPOTrainer(Trainer):
         if peft_config is not None:
             model = _with_peft(model, peft_config, args)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
+        self.share_prompt, self.unshared_reason = resolve_share_prompt(args.share_prompt, model)  # packed layout
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         self.renderings: dict[str, str] = {}  # dataset -> how its rows became tokens (run summary)
         vocab = input_vocab_size(model)  # every token id of the pairs is checked against it
@@ -168,6 +175,7 @@ class PairDPOTrainer(Trainer):
                 pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
                 pad_to_multiple_of=None if args.pad_to_budget else fp8_pad_multiple(args.fp8),
                 score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
+                share_prompt=self.share_prompt,
             ),
             train_dataset=train_pairs,
             eval_dataset=eval_pairs,
@@ -191,6 +199,7 @@ class PairDPOTrainer(Trainer):
         self._flop_params: int | None = None
         self.layer_plan: LayerPlan | None = None
         self._layers_trained = False
+        self._layout_announced = False  # the first step's layout line (rank 0)
         if args.fp8 == "tensorwise" and self.fsdp_plugin is not None:
             self.add_callback(Fp8ScaleCallback(self.model))  # float8 all-gather: the next step's scales at once
         if args.torch_compile:
@@ -206,6 +215,7 @@ class PairDPOTrainer(Trainer):
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
             mixed_precision=str(self.accelerator.mixed_precision),
             fsdp_plugin=self.fsdp_plugin,
+            share_prompt=self.share_prompt,
         )
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -273,7 +283,8 @@ class PairDPOTrainer(Trainer):
         ``output_dir``, and a stop signal saves a checkpoint and raises ``TrainingPreempted`` (exit code 75): see
         :mod:`pair_dpo_trainer.fault_tolerance`.
         """
-        options = GuardOptions.from_args(self.args, resume_settings(self.args, self.processing_class))
+        settings = resume_settings(self.args, self.processing_class, share_prompt=self.share_prompt)
+        options = GuardOptions.from_args(self.args, settings)
         with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
             self.step_guard.reset(self.run_guard.resumed_nonfinite_grad_skips())  # the run's count goes on
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
@@ -305,6 +316,8 @@ class PairDPOTrainer(Trainer):
             peft_reference=adapter_disabled_reference(self.args, **self._given),
             ignored_reference=self.ignored_reference,
             layers=self.layer_plan,
+            share_prompt=self.share_prompt,
+            unshared_reason=self.unshared_reason,
         )
 
     @stops_on_signal("evaluation")
@@ -460,11 +473,11 @@ class PairDPOTrainer(Trainer):
             worker_init_fn=self.worker_init_fn,  # after the stop-signal filter (fault_tolerance.workers)
         )
 
-    @staticmethod
-    def _costs(dataset: Any) -> Any:
+    def _costs(self, dataset: Any) -> Any:
         from pair_dpo_trainer.data.tokenize import pair_cost_array
 
-        return pair_cost_array(dataset)  # [N] int64 from the Arrow lengths: no Python int per pair
+        # [N] int64 from the Arrow lengths (no Python int per pair), in the run's packed layout
+        return pair_cost_array(dataset, share_prompt=self.share_prompt)
 
     def _run_epoch(self, *args: Any, **kwargs: Any) -> Any:
         """The Trainer's epoch, not run at all once ``max_steps`` are done: a run resumed from the checkpoint of its
@@ -483,6 +496,11 @@ class PairDPOTrainer(Trainer):
                 batch_samples.append(next(epoch_iterator))
             except StopIteration:
                 break
+        if not self._layout_announced and self.is_world_process_zero():
+            self._layout_announced = True
+            stored = sum(batch.num_real_tokens for batch in batch_samples)  # host ints: no sync
+            unshared = sum(batch.num_unshared_tokens for batch in batch_samples)
+            print(first_step_layout(stored, unshared, share_prompt=self.share_prompt), flush=True)
         batch_samples = self.objective_runtime.attach_step_contexts(  # sft / bco_pair / aot need the step (collective)
             batch_samples, margins_fn=self._pair_logps_without_grad, pairs_per_rank=self.args.pairs_per_rank_per_step
         )
@@ -558,7 +576,8 @@ class PairDPOTrainer(Trainer):
                 losses,
                 self.args.beta,
                 weights=inputs.pair_weights,
-                num_tokens=inputs.num_real_tokens,  # pad segments are not the data's tokens
+                num_tokens=inputs.num_unshared_tokens,  # TRL's count: each prompt twice, no pad segment
+                packed_tokens=inputs.num_real_tokens,  # what ran: a shared prompt once
                 components=output.components,
                 token_stats=policy.token_stats,
             )

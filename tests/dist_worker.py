@@ -1,6 +1,8 @@
 """Worker for tests/test_distributed.py, launched with 2 real processes (torchrun, gloo on CPU).
 
 Phases (each writes its result under OUT_DIR for the test process to compare):
+  Every phase packs each prompt once (``share_prompt``, the default) except dp2_budget, whose budget is sized for
+  pairs that pack each prompt twice.
   dp2_ga1 / dp2_ga2: one 5-step training run each (same global batch of 8 pairs as the test's DP=1, GA=2 run);
       rank 0 saves the gradient of the first optimizer step and the loss curve; then an eval over EVAL_PAIRS pairs
       in micro-batches of EVAL_BATCH pairs, whose last step leaves rank 1 a weight-0 filler.
@@ -264,7 +266,7 @@ def main() -> None:
         ("dp2_ga1", 1, {}),
         ("dp2_ga2", 2, {}),
         ("dp2_ga2_pre", 2, {"precompute_ref_log_probs": True}),
-        ("dp2_budget", None, {}),
+        ("dp2_budget", None, {"share_prompt": False}),  # BUDGET needs 2-4 micro-batches of the unshared costs
     )
     for name, ga, options in layouts:
         result = run_layout(out_dir, name, world_size=2, ga=ga, **options)

@@ -196,8 +196,12 @@ def run_replicated(out_dir: Path, std: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_budget(out_dir: Path, world_size: int = 2) -> dict[str, Any]:
-    """``std`` with a token budget instead of GA=2 (same 8 pairs per step); ``world_size=1``: the test's DP=1 run."""
-    budget = dict(per_device_train_batch_size=GLOBAL_PAIRS // world_size, gradient_accumulation_steps=1)
+    """``std`` with a token budget instead of GA=2 (same 8 pairs per step); ``world_size=1``: the test's DP=1 run.
+    Each prompt packed twice (``share_prompt=False``): ``BUDGET`` is sized so that those costs need a varying number
+    of micro-batches per step (the other runs share prompts, the default)."""
+    budget = dict(
+        per_device_train_batch_size=GLOBAL_PAIRS // world_size, gradient_accumulation_steps=1, share_prompt=False
+    )
     trainer = build_trainer(out_dir / "budget", world_size=world_size, max_tokens_per_microbatch=BUDGET, **budget)
     trainer.train()
     engine = trainer.model_wrapped

@@ -33,11 +33,12 @@ def traceable_varlen(monkeypatch: pytest.MonkeyPatch) -> str:
     torch._dynamo.reset()
 
 
-def _batches(n: int = 3):
+def _batches(n: int = 3, share_prompt: bool = False):
     """Packed micro-batches whose length, sequence count and longest sequence all differ."""
     sizes = [(2, (2, 6), (1, 5)), (3, (4, 12), (2, 9)), (4, (1, 3), (6, 14))][:n]
+    collator = PackedPairCollator(share_prompt=share_prompt)
     return [
-        PackedPairCollator()(random_features(seed, pairs, vocab=64, prompt_len=p, completion_len=c))
+        collator(random_features(seed, pairs, vocab=64, prompt_len=p, completion_len=c))
         for seed, (pairs, p, c) in enumerate(sizes)
     ]
 
@@ -55,8 +56,11 @@ def _step(model, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.integration
-def test_dynamic_layers_compile_once_for_every_packed_shape_without_graph_breaks(traceable_varlen) -> None:
-    batches = _batches()
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_dynamic_layers_compile_once_for_every_packed_shape_without_graph_breaks(traceable_varlen, share_prompt):
+    batches = _batches(share_prompt=share_prompt)
+    if share_prompt:  # the gathered keys' segments and longest key segment change too
+        assert all(b.shares_prompt for b in batches) and len({b.max_seqlen_k for b in batches}) == 3
     assert len({b.input_ids.shape[1] for b in batches}) == 3
     assert len({b.max_seqlen for b in batches}) == 3 and len({b.num_sequences for b in batches}) == 3
     eager = tiny_llama()

@@ -48,18 +48,27 @@ def dp1_ga2(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def dp1_budget(tmp_path_factory):
-    return run_layout(tmp_path_factory.mktemp("dp1b"), "dp1_budget", world_size=1, ga=None)
+    return run_layout(tmp_path_factory.mktemp("dp1b"), "dp1_budget", world_size=1, ga=None, share_prompt=False)
+
+
+@pytest.fixture(scope="module")
+def dp1_ga2_unshared(tmp_path_factory):
+    """The first step of ``dp1_ga2`` with each prompt packed twice: the two-rank runs share prompts (the default)."""
+    return run_layout(tmp_path_factory.mktemp("dp1u"), "dp1_ga2", world_size=1, ga=2, steps=1, evaluate=False,
+                      share_prompt=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])
-def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, layout):
+def test_first_step_gradients_match_single_process(two_rank_results, dp1_ga2, dp1_ga2_unshared, layout):
+    """Against one process in the same layout and in the other one (shared vs unshared prompts)."""
     other = torch.load(two_rank_results / f"{layout}.pt")
-    assert set(other["grads"]) == set(dp1_ga2["grads"]) and len(other["grads"]) > 0
-    scale = max(float(g.abs().max()) for g in dp1_ga2["grads"].values())
-    assert scale > 0
-    for name, grad in dp1_ga2["grads"].items():
-        diff = float((other["grads"][name] - grad).abs().max())
-        assert diff / scale < 1e-6, f"{layout} {name}: max abs diff {diff:.3e} vs scale {scale:.3e}"
+    for single in (dp1_ga2, dp1_ga2_unshared):
+        assert set(other["grads"]) == set(single["grads"]) and len(other["grads"]) > 0
+        scale = max(float(g.abs().max()) for g in single["grads"].values())
+        assert scale > 0
+        for name, grad in single["grads"].items():
+            diff = float((other["grads"][name] - grad).abs().max())
+            assert diff / scale < 1e-6, f"{layout} {name}: max abs diff {diff:.3e} vs scale {scale:.3e}"
 
 
 @pytest.mark.parametrize("layout", ["dp2_ga1", "dp2_ga2", "dp2_budget"])

@@ -65,7 +65,7 @@ def test_fp8_compiled_starts_at_ln2_and_trains(tmp_path, recipe, capsys):
     assert logged[0] == pytest.approx(math.log(2), abs=2e-4)
     assert all(math.isfinite(loss) for loss in logged)
     assert trainer.layer_plan.fp8_layers == 12 * 7
-    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo: world_size=")][-1]
     assert f"fp8 {recipe} (84 Linear layers)" in line
 
 
@@ -105,7 +105,7 @@ def test_auto_checkpointing_measures_the_budget_and_names_its_choice(tmp_path, c
     fit = trainer.layer_plan.fit
     assert fit is not None and fit.fits and fit.mode == "off"  # a 100M model at 8k tokens fits without recompute
     assert 0 < fit.peak_bytes < fit.limit_bytes
-    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo: world_size=")][-1]
     print(f"\n{line}")
     assert "activation checkpointing auto -> off (peak" in line and "at 8192 tokens" in line
 

@@ -65,6 +65,74 @@ def test_kernel_backends_match_sdpa_segments(window) -> None:
         assert err < 2e-2
 
 
+def test_shared_prompt_kernels_match_sdpa_segments() -> None:
+    """The shared-prompt layout's one varlen call (query segments [p c], [r]; key segments [p c], [p r] gathered by
+    ``kv_index``; causal aligned bottom-right) on each CUDA kernel against the per-segment SDPA reference; a rejected
+    query's gradient never reaches a chosen key (exactly zero)."""
+    feats = _features(seed=5, n=6)
+    batch = PackedPairCollator(share_prompt=True, pad_to_multiple_of=64)(feats).to("cuda")
+    total = batch.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(heads: int) -> torch.Tensor:
+        return torch.randn(total, heads, 64, generator=gen, device="cuda", dtype=torch.bfloat16)
+
+    q, k, v = rand(16), rand(8).requires_grad_(), rand(8).requires_grad_()
+    segments = dict(cu_seqlens_k=batch.cu_seqlens_k, max_seqlen_k=batch.max_seqlen_k)
+
+    def attend(backend: str) -> torch.Tensor:
+        kg, vg = k.index_select(0, batch.kv_index), v.index_select(0, batch.kv_index)
+        return varlen_attention(q, kg, vg, batch.cu_seqlens, batch.max_seqlen, backend=backend, **segments)
+
+    ref = attend("sdpa_segments")
+    sequence = batch.sequence_index[0]
+    rejected = sequence % 2 == 1
+    chosen_completion = torch.zeros_like(rejected)
+    start = 0
+    for f in feats:
+        p, c, r = (len(f[key]) for key in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"))
+        chosen_completion[start + p : start + p + c] = True
+        start += p + c + r
+    backends = _kernel_backends()
+    assert backends, "no varlen kernel backend on this GPU"
+    for backend in backends:
+        got = attend(backend)
+        err = (got.float() - ref.float()).abs().max().item()
+        grad_k, grad_v = torch.autograd.grad(got[rejected].float().sum(), (k, v))
+        leak = max(grad_k[chosen_completion].abs().max().item(), grad_v[chosen_completion].abs().max().item())
+        print(f"[gpu] shared-prompt varlen_attention {backend} vs sdpa_segments: max abs err {err:.4g}, leak {leak}")
+        assert err < 2e-2 and leak == 0.0 and grad_k[~chosen_completion].abs().max().item() > 0
+
+
+def test_shared_prompt_layout_matches_unshared_bf16() -> None:
+    """The 100M model in bf16: per-sequence log-probs and gradients of the shared-prompt row against the unshared
+    one (rounding only), and the fwd+bwd time of each (printed: the prompt computed once)."""
+    model = _llama_100m()
+    backend = enable_pair_varlen(model, "auto")
+    feats = _features(seed=6, n=8)
+    weights = torch.randn(16, device="cuda")
+    runs = {}
+    for share in (False, True):
+        batch = PackedPairCollator(share_prompt=share)(feats).pin_memory().to("cuda", non_blocking=True)
+        out, elapsed = _timed_step(lambda b=batch: packed_sequence_logps(model, b), weights)
+        grad = torch.cat([p.grad.float().flatten() for p in model.parameters()])
+        model.zero_grad(set_to_none=True)
+        runs[share] = (out, grad, elapsed, batch.num_tokens)
+    (plain, plain_grad, plain_time, plain_tokens), (shared, shared_grad, shared_time, shared_tokens) = (
+        runs[False],
+        runs[True],
+    )
+    rel = ((shared - plain).abs() / plain.abs()).max().item()
+    cosine = torch.nn.functional.cosine_similarity(shared_grad, plain_grad, dim=0).item()
+    print(
+        f"\n[gpu] {torch.cuda.get_device_name()} {backend}: shared T={shared_tokens} vs unshared T={plain_tokens}: "
+        f"logps max rel diff {rel:.3g}, grad cosine {cosine:.6f}; fwd+bwd unshared {plain_time * 1e3:.1f} ms, "
+        f"shared {shared_time * 1e3:.1f} ms ({plain_time / shared_time:.2f}x)"
+    )
+    assert shared_tokens < plain_tokens
+    assert rel < 1e-2 and cosine > 0.999
+
+
 def _no_dense_mask_spy(size: int):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_leaves
@@ -186,9 +254,11 @@ def test_chunked_logps_peak_memory_vs_naive() -> None:
     assert err < 1e-2
 
 
-def test_compiled_layers_torch_varlen_stop_compiling_and_match_eager() -> None:
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_compiled_layers_torch_varlen_stop_compiling_and_match_eager(share_prompt) -> None:
     """Regional compile on the real kernel: no graph break (fullgraph), at most two graphs for packed rows of four
-    different shapes, the same per-sequence log-probs and gradients as eager (bf16); prints eager vs compiled time."""
+    different shapes, the same per-sequence log-probs and gradients as eager (bf16); prints eager vs compiled time.
+    With shared prompts the gathered key segments and the longest key segment change with every row too."""
     from torch._dynamo.utils import counters
 
     from pair_dpo_trainer.modeling.compile import compile_decoder_layers
@@ -200,10 +270,11 @@ def test_compiled_layers_torch_varlen_stop_compiling_and_match_eager() -> None:
         assert enable_pair_varlen(m, "auto") in ("flash_attn", "torch_varlen")
     compile_decoder_layers(model, fullgraph=True)
     batches = [
-        PackedPairCollator()(_features(seed, n)).pin_memory().to("cuda", non_blocking=True)
+        PackedPairCollator(share_prompt=share_prompt)(_features(seed, n)).pin_memory().to("cuda", non_blocking=True)
         for seed, n in ((1, 8), (2, 5), (3, 11), (4, 7))
     ]
     assert len({b.num_tokens for b in batches}) == 4 and len({b.max_seqlen for b in batches}) == 4
+    assert not share_prompt or len({b.max_seqlen_k for b in batches}) == 4
     graphs, times = [], {}
     for batch in batches:
         weights = torch.randn(batch.num_sequences, device="cuda")

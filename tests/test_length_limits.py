@@ -74,13 +74,18 @@ def _trainer(tmp_path, train, tokenizer, eval_=None, **overrides) -> PairDPOTrai
 
 
 def _sequence_lengths(batch) -> list[tuple[int, int]]:
-    """``(sequence length, prompt length)`` of every sequence of a packed batch (the pad segment left out)."""
-    bounds = batch.cu_seqlens.tolist()[: batch.num_sequences + 1]
-    mask = batch.completion_mask[0].tolist()
+    """``(sequence length, prompt length)`` of every sequence of a packed batch (the pad segment left out), in either
+    layout: a sequence is its key segment (the rows ``kv_index`` gathers when prompts are shared)."""
+    shared = batch.shares_prompt
+    bounds = (batch.cu_seqlens_k if shared else batch.cu_seqlens).tolist()[: batch.num_sequences + 1]
+    rows = batch.kv_index.tolist() if shared else list(range(batch.num_tokens))
+    first_scored: dict[int, int] = {}
+    for row, sequence in zip(batch.completion_positions.tolist(), batch.scored_sequences().tolist(), strict=True):
+        first_scored.setdefault(sequence, row)
     out = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        first_scored = mask[start:end].index(True)  # labels are shifted: the last prompt position scores first
-        out.append((end - start, first_scored + 1))
+    for sequence, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        # labels are shifted: the last prompt position scores the first completion token
+        out.append((end - start, rows[start:end].index(first_scored[sequence]) + 1))
     return out
 
 

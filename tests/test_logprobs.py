@@ -310,12 +310,17 @@ def test_policy_pass_equals_a_naive_float64_computation_values_stats_and_gradien
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-9, atol=1e-10, msg=name)
 
 
-def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeypatch, share_prompt) -> None:
     """Under FSDP2 the chunked head runs inside the model's own head call (one ``[P, 5]`` output: log-probs and
-    statistics); here the same path runs unsharded (``is_fsdp_managed`` forced) against the default path."""
+    statistics); here the same path runs unsharded (``is_fsdp_managed`` forced) against the default path; with
+    shared prompts the model keeps the prompt's last row twice (``logits_to_keep`` with a repeated position), once
+    per completion."""
     import pair_dpo_trainer.modeling.logprobs as lp
 
-    batch = lp.with_length_desensitization(PackedPairCollator()(tiny_features(seed=4, n=3)), 0.5)
+    collator = PackedPairCollator(share_prompt=share_prompt)
+    batch = lp.with_length_desensitization(collator(tiny_features(seed=4, n=3)), 0.5)
+    assert batch.completion_positions.unique().numel() < batch.completion_positions.numel() or not share_prompt
     results = []
     for in_forward in (False, True):
         model = tiny_model("llama")

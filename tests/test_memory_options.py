@@ -255,9 +255,9 @@ def test_fp8_trainer_pads_rows_to_16_starts_at_ln2_and_trains(tmp_path):
     assert isinstance(trainer.data_collator, PackedPairCollator) and trainer.data_collator.pad_to_multiple_of == 16
     pairs = synthetic_pairs(3)
     batch = trainer.data_collator(pairs)
-    real = sum(
-        2 * len(p["prompt_input_ids"]) + len(p["chosen_input_ids"]) + len(p["rejected_input_ids"]) for p in pairs
-    )
+    prompts = sum(len(p["prompt_input_ids"]) for p in pairs)
+    real = prompts + sum(len(p["chosen_input_ids"]) + len(p["rejected_input_ids"]) for p in pairs)  # prompts once
+    assert trainer.share_prompt and batch.num_unshared_tokens == real + prompts
     assert batch.num_tokens % 16 == 0 and batch.num_real_tokens == real < batch.num_tokens + 16
     result = trainer.train()
     assert trainer.layer_plan is not None and trainer.layer_plan.fp8_layers == 14
@@ -302,7 +302,7 @@ def test_a_checkpointed_trainer_reports_the_mode_and_matches_the_plain_losses(tm
         tmp_path / "ckpt", max_steps=2, activation_checkpointing_mode="layers:2", activation_offload=True
     )
     checked.train()
-    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")][-1]
+    line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo: world_size=")][-1]
     assert "activation checkpointing layers:2" in line and "offloaded to host memory" in line
     losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (plain, checked)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)

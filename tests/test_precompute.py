@@ -100,8 +100,11 @@ def test_a_different_key_recomputes(tmp_path):
     other_reference = _trainer(tmp_path, precompute_ref_log_probs=True, model=tiny_llama(3))  # unpinned: its digest
     other_reference.train()
     assert other_reference.reference_manager.builds == 1
-    # new data: a new train entry (the eval set is the same); new length or reference: new train and eval entries
-    assert len(set(cache.glob("ref_logps-*.pt")) - before) == 1 + 2 + 2
+    other_layout = _trainer(tmp_path, precompute_ref_log_probs=True, share_prompt=False)  # prompts packed twice
+    other_layout.train()
+    assert other_layout.reference_manager.builds == 1
+    # new data: a new train entry (the eval set is the same); new length, reference or layout: new train and eval ones
+    assert len(set(cache.glob("ref_logps-*.pt")) - before) == 1 + 2 + 2 + 2
 
 
 @pytest.mark.integration

@@ -140,6 +140,7 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
     first.train()
     resumed = _trainer(tmp_path / "b", pairs, max_steps=6, save_strategy="no")
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-3"))
+    assert straight.share_prompt and resumed.share_prompt  # the default layout: each prompt packed once
 
     def losses(trainer):
         return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry and entry["step"] > 3]
@@ -151,13 +152,20 @@ def test_resume_from_checkpoint_equals_uninterrupted_run(tmp_path):
 
 
 def test_training_start_prints_a_one_line_summary(tmp_path, capsys):
-    trainer = _trainer(tmp_path, synthetic_pairs(16), max_steps=1)
+    pairs = synthetic_pairs(16)
+    trainer = _trainer(tmp_path, pairs, max_steps=1)
     trainer.train()
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo:")]
-    assert len(lines) == 1
-    summary = lines[0]
-    for part in ("world_size=1", "8 pairs/step", "in 2 micro-batches", "attention sdpa_segments", "online, unpinned"):
+    assert len(lines) == 2
+    summary, first_step = lines
+    parts = ("world_size=1", "8 pairs/step", "in 2 micro-batches", "layout shared prompt", "attention sdpa_segments")
+    for part in (*parts, "online, unpinned"):
         assert part in summary, summary
+    step_pairs = [pairs[i] for microbatch in trainer._train_sampler.rank_plan(0)[0] for i in microbatch]
+    stored = sum(len(p[k]) for p in step_pairs for k in ("prompt_input_ids", "chosen_input_ids", "rejected_input_ids"))
+    twice = stored + sum(len(p["prompt_input_ids"]) for p in step_pairs)
+    saved = f"{100 * (1 - stored / twice):.1f}% saved"
+    assert f"{stored} tokens packed, {twice} with each prompt twice (as TRL): {saved}" in first_step, first_step
     assert "leaf" not in summary and trainer.zero3_leaf_classes == ()  # no ZeRO-3: no leaf modules
     with_leaves = run_summary(trainer.args, attn_backend="x", source=None, zero3_leaf_classes=("LlamaDecoderLayer",))
     assert with_leaves.endswith("| ZeRO-3 leaf modules LlamaDecoderLayer")
@@ -220,7 +228,7 @@ def test_budget_resume_mid_epoch_equals_uninterrupted_run(tmp_path):
     first.train()
     resumed = _trainer(tmp_path / "b", pairs, save_strategy="no", **options)
     resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "out" / "checkpoint-2"))
-    assert resumed.state.global_step == 5
+    assert resumed.state.global_step == 5 and resumed.share_prompt
     assert _history(resumed, "loss", after=2) == pytest.approx(_history(straight, "loss", after=2), abs=1e-6)
     resumed_params = dict(resumed.model.named_parameters())
     for name, p_straight in straight.model.named_parameters():

@@ -77,6 +77,12 @@ def test_tiny_cpu_run_prints_result_ceiling_and_profile(bench, tmp_path, monkeyp
     assert all(field in row for field in TRL_RESULT_FIELDS)
     assert row["impl"] == "pair_dpo" and row["steps_timed"] == 1 and row["padding_frac"] == 0.0
     assert row["real_tok_s_gpu"] > 0 and row["ours_over_ceiling"] > 0
+    # the prompt packed once (the default on the tiny Llama): TRL's count of the same steps is larger, MFU uses ours
+    assert row["share_prompt"] is True and 0 < row["prompt_tokens_saved_frac"] < 0.5
+    assert row["trl_tokens_per_step"] > row["real_tokens_per_step"]
+    assert row["trl_tok_s_gpu"] / row["real_tok_s_gpu"] == pytest.approx(
+        row["trl_tokens_per_step"] / row["real_tokens_per_step"], rel=1e-3
+    )
     lines = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [line["impl"] for line in lines] == ["pair_dpo_ceiling", "pair_dpo"]
     assert any(line.startswith("RESULT {") for line in out.splitlines())
@@ -272,6 +278,9 @@ def test_budget_flags_and_heavy_mix(bench):
     assert bench.pairs_per_microbatch(bench.parse_args(["--bs-for-tokens", "16384"])) == bench.pairs_per_microbatch(
         bench.parse_args(["--bs-for-tokens", "16384", "--seed", "0"])
     )
+    for flag, value in (("--share-prompt", True), ("--no-share-prompt", False)):
+        assert bench.build_config(bench.parse_args([flag]), 1, 3, bf16=False).share_prompt is value
+    assert bench.build_config(bench.parse_args([]), 1, 3, bf16=False).share_prompt is None  # the config's default
     for bad in (["--max-tokens-per-microbatch", "4096", "--ga", "2"], ["--pad-to-budget"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)

@@ -1,6 +1,8 @@
 """Packing collator: one micro-batch of preference pairs -> one padding-free row.
 
-The row holds every pair's two sequences back to back, chosen first::
+The row holds every pair's two sequences back to back, chosen first (``[p c][p r]``), or, with ``share_prompt``,
+the prompt once (``[p c r]``: the shared-prompt layout, whose rejected tokens attend to the prompt and to themselves
+only, through key segments gathered by ``kv_index``)::
 
 Details: collators/README.md, "Module notes", ``packed.py``.
 """
@@ -87,13 +89,16 @@ class PackedPairBatch(_TensorDataclass):
 
     Attributes:
         input_ids: ``[1, T]`` int64 token ids (padding only in the optional trailing pad segment).
-        position_ids: ``[1, T]`` int64, restarting at 0 for every sequence (and for the pad segment).
-        cu_seqlens: ``[2n + 1]`` int32 cumulative sequence boundaries, ``cu_seqlens[0] == 0`` and
+        position_ids: ``[1, T]`` int64, restarting at 0 for every sequence (and for the pad segment); in the
+            shared-prompt layout a rejected completion continues from its prompt's end, as the chosen one does.
+        cu_seqlens: ``[2n + 1]`` int32 cumulative sequence boundaries (query segments ``[p c]``, ``[r]`` in the
+            shared-prompt layout), ``cu_seqlens[0] == 0`` and
             ``cu_seqlens[-1] == T``; ``[2n + 2]`` when a pad segment was added (``pad_to_multiple_of`` /
             ``pad_to_length``).
         max_seqlen: Longest segment (sequence or pad segment) in tokens, a python int.
         labels: ``[1, T]`` int64 shifted targets: the next token when it is a completion token of the same
-            sequence, else ``-100``.
+            sequence, else ``-100``. Row-local: in the shared-prompt layout the rejected completion's first token
+            (predicted at the prompt's last row, whose label is the chosen one's) is only in ``completion_targets``.
         completion_mask: ``[1, T]`` bool, ``labels != -100``.
         sequence_index: ``[1, T]`` int64, the sequence each token belongs to (``2n`` for pad tokens).
         num_pairs: ``n``.
@@ -113,6 +118,19 @@ class PackedPairBatch(_TensorDataclass):
         prompt_positions: ``[M]`` int64 flat positions whose next token is a prompt token of a chosen sequence (all
             but the first prompt token), when the collator scores chosen prompts (ORPO's NLL), else None.
         prompt_targets: ``[M]`` int64 the prompt token each of ``prompt_positions`` predicts, else None.
+        completion_targets: ``[N]`` int64 the token each of ``completion_positions`` predicts, else None (read from
+            ``labels``). The collator always sets it; in the shared-prompt layout it is the only complete list, since
+            the prompt's last position predicts the first token of both completions.
+        completion_sequences: ``[N]`` int64 the sequence each scored token belongs to, else None (read from
+            ``sequence_index``).
+        kv_index: Shared-prompt layout only: ``[Tk]`` int64 row positions gathered into the keys/values of the
+            attention, ``[p c][p r]`` per pair (then the pad segment), else None (keys are the row itself).
+        cu_seqlens_k: Shared-prompt layout only: ``[S + 1]`` int32 key-segment boundaries over the gathered keys
+            (``cu_seqlens`` holds the query segments ``[p c]``, ``[r]``); a causal mask between a query segment and
+            its key segment is bottom-right aligned (the last query sees the last key). Else None (``cu_seqlens``).
+        max_seqlen_k: Longest key segment (shared-prompt layout), else None (``max_seqlen``).
+        num_shared_prompt_tokens: Prompt tokens stored once instead of twice (0 in the unshared layout): the tokens
+            TRL's layout would compute are ``num_real_tokens + num_shared_prompt_tokens``.
     """
 
     input_ids: torch.Tensor
@@ -131,6 +149,34 @@ class PackedPairBatch(_TensorDataclass):
     num_pad_tokens: int = 0
     prompt_positions: torch.Tensor | None = None
     prompt_targets: torch.Tensor | None = None
+    completion_targets: torch.Tensor | None = None
+    completion_sequences: torch.Tensor | None = None
+    kv_index: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int | None = None
+    num_shared_prompt_tokens: int = 0
+
+    @property
+    def shares_prompt(self) -> bool:
+        """True in the shared-prompt layout (``[p c r]`` per pair)."""
+        return self.kv_index is not None
+
+    @property
+    def num_unshared_tokens(self) -> int:
+        """Tokens of the pairs with every prompt counted twice, as TRL's layout computes them (no pad segment)."""
+        return self.num_real_tokens + self.num_shared_prompt_tokens
+
+    def scored_targets(self) -> torch.Tensor:
+        """``[N]`` the target token of every ``completion_positions`` entry (device ops only)."""
+        if self.completion_targets is not None:
+            return self.completion_targets
+        return self.labels.reshape(-1).index_select(0, self.completion_positions)
+
+    def scored_sequences(self) -> torch.Tensor:
+        """``[N]`` the sequence of every ``completion_positions`` entry (device ops only)."""
+        if self.completion_sequences is not None:
+            return self.completion_sequences
+        return self.sequence_index.reshape(-1).index_select(0, self.completion_positions)
 
     @property
     def num_sequences(self) -> int:
@@ -223,6 +269,66 @@ def sequence_labels(ids: Sequence[int], prompt_length: int) -> list[int]:
     return labels
 
 
+class _Row:
+    """The host lists of one packed row under construction (see :class:`PackedPairCollator`)."""
+
+    def __init__(self, share_prompt: bool) -> None:
+        self.share_prompt = share_prompt
+        self.ids: list[int] = []
+        self.positions: list[int] = []
+        self.labels: list[int] = []
+        self.seq_index: list[int] = []
+        self.cu = [0]
+        self.kv_index: list[int] = []
+        self.cu_k = [0]
+        self.scored: tuple[list[int], list[int], list[int]] = ([], [], [])
+        self.prompt_positions: list[int] = []
+        self.shared_tokens = 0
+
+    def add_pair(self, prompt: list[int], chosen: list[int], rejected: list[int]) -> None:
+        """Append one pair: ``[p c][p r]``, or ``[p c r]`` with ``share_prompt``; score both completions."""
+        start, plen, chosen_seq = len(self.ids), len(prompt), len(self.cu) - 1
+        self.prompt_positions.extend(range(start, start + plen - 1))  # predict prompt tokens 1..P-1
+        chosen_rows = list(range(start, start + plen + len(chosen)))
+        self._append(prompt + chosen, range(plen + len(chosen)), chosen_seq)
+        if self.share_prompt:
+            rejected_rows = chosen_rows[:plen] + list(range(len(self.ids), len(self.ids) + len(rejected)))
+            self._append(rejected, range(plen, plen + len(rejected)), chosen_seq + 1)
+            self.kv_index.extend(chosen_rows + rejected_rows)
+            self.cu_k.extend([self.cu_k[-1] + len(chosen_rows), self.cu_k[-1] + len(chosen_rows) + len(rejected_rows)])
+            self.shared_tokens += plen
+        else:
+            rejected_rows = list(range(len(self.ids), len(self.ids) + plen + len(rejected)))
+            self._append(prompt + rejected, range(plen + len(rejected)), chosen_seq + 1)
+        self._score(prompt + chosen, chosen_rows, chosen_seq, plen)
+        self._score(prompt + rejected, rejected_rows, chosen_seq + 1, plen)
+
+    def _append(self, tokens: list[int], positions: range, sequence: int) -> None:
+        self.ids.extend(tokens)
+        self.positions.extend(positions)
+        self.labels.extend([IGNORE_INDEX] * len(tokens))
+        self.seq_index.extend([sequence] * len(tokens))
+        self.cu.append(len(self.ids))
+
+    def _score(self, tokens: list[int], rows: list[int], sequence: int, prompt_length: int) -> None:
+        """Score ``tokens[j + 1]`` at row ``rows[j]`` for every completion token (after the prompt's first)."""
+        positions, targets, sequences = self.scored
+        for j in range(max(prompt_length - 1, 0), len(tokens) - 1):
+            positions.append(rows[j])
+            targets.append(tokens[j + 1])
+            sequences.append(sequence)
+            if rows[j + 1] == rows[j] + 1:  # the next token follows in the row: a row-local label
+                self.labels[rows[j]] = tokens[j + 1]
+
+    def add_pad(self, pad: int, pad_token_id: int) -> None:
+        """Append the trailing pad segment (its own query and key segment)."""
+        start = len(self.ids)
+        self._append([pad_token_id] * pad, range(pad), len(self.cu) - 1)
+        if self.share_prompt:
+            self.kv_index.extend(range(start, start + pad))
+            self.cu_k.append(self.cu_k[-1] + pad)
+
+
 class PackedPairCollator:
     """Collate a micro-batch of pairs into one :class:`PackedPairBatch` (no padding unless asked).
 
@@ -246,6 +352,18 @@ class PackedPairCollator:
         ``pad_token_id`` tokens (positions ``[0, 1, 2]``, labels -100, ``sequence_index`` 2) and
         ``cu_seqlens == [0, 4, 9, 12]``. With ``pad_to_length=16`` it grows to exactly 16 tokens the same way.
 
+        With ``share_prompt=True`` the same pair takes 7 tokens::
+
+            batch.input_ids            == [[5, 6, 7, 2, 8, 9, 2]]
+            batch.position_ids         == [[0, 1, 2, 3, 2, 3, 4]]   # rejected continues from the prompt's end
+            batch.cu_seqlens           == [0, 4, 7]                 # query segments [p c], [r]
+            batch.kv_index             == [0, 1, 2, 3, 0, 1, 4, 5, 6]
+            batch.cu_seqlens_k         == [0, 4, 9]                 # key segments [p c], [p r]
+            batch.completion_positions == [1, 2, 1, 4, 5]           # position 1 scores 7 (chosen) and 8 (rejected)
+            batch.completion_targets   == [7, 2, 8, 9, 2]
+            batch.completion_sequences == [0, 0, 1, 1, 1]
+            batch.num_shared_prompt_tokens == 2
+
     Args:
         pad_to_multiple_of: If set, round ``T`` up to a multiple of it by appending one pad segment (its own
             entry in ``cu_seqlens``, so attention kernels see it as a separate, unscored sequence). Fixed
@@ -256,6 +374,8 @@ class PackedPairCollator:
         pad_token_id: Token id of the pad segment.
         score_chosen_prompts: Also list the positions that predict the chosen sequences' prompt tokens
             (``prompt_positions`` / ``prompt_targets``): ORPO's NLL covers prompt and completion, as TRL's does.
+        share_prompt: Store each prompt once (``[p c r]``, the shared-prompt layout); the attention must honour
+            ``kv_index`` / ``cu_seqlens_k`` (``pair_varlen`` does).
     """
 
     def __init__(
@@ -264,6 +384,7 @@ class PackedPairCollator:
         pad_token_id: int = 0,
         pad_to_length: int | None = None,
         score_chosen_prompts: bool = False,
+        share_prompt: bool = False,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pad_to_length", pad_to_length)):
             if value is not None and value < 1:
@@ -274,53 +395,52 @@ class PackedPairCollator:
         self.pad_to_length = pad_to_length
         self.pad_token_id = int(pad_token_id)
         self.score_chosen_prompts = score_chosen_prompts
+        self.share_prompt = bool(share_prompt)
 
     def __call__(self, features: Sequence[Mapping[str, Sequence[int]]]) -> PackedPairBatch:
         """Pack ``features`` (``n`` pairs) into one row; see the class docstring for the layout."""
         if len(features) == 0:
             raise ValueError("PackedPairCollator got an empty micro-batch")
-        ids: list[int] = []
-        positions: list[int] = []
-        labels: list[int] = []
-        seq_index: list[int] = []
-        prompt_positions: list[int] = []
-        cu = [0]
-        for row, feature in enumerate(features):
-            chosen, rejected, prompt_length = pair_sequences(feature, row)
-            prompt_positions.extend(range(len(ids), len(ids) + prompt_length - 1))  # predict prompt tokens 1..P-1
-            for seq in (chosen, rejected):
-                ids.extend(seq)
-                positions.extend(range(len(seq)))
-                labels.extend(sequence_labels(seq, prompt_length))
-                seq_index.extend([len(cu) - 1] * len(seq))
-                cu.append(len(ids))
-        pad = self._pad_length(len(ids))
+        row = _Row(self.share_prompt)
+        for index, feature in enumerate(features):
+            chosen, rejected, prompt_length = pair_sequences(feature, index)
+            row.add_pair(chosen[:prompt_length], chosen[prompt_length:], rejected[prompt_length:])
+        pad = self._pad_length(len(row.ids))
         if pad:
-            ids.extend([self.pad_token_id] * pad)
-            positions.extend(range(pad))
-            labels.extend([IGNORE_INDEX] * pad)
-            seq_index.extend([len(cu) - 1] * pad)
-            cu.append(len(ids))
-        n = len(features)
-        label_tensor = torch.tensor([labels], dtype=torch.int64)
-        mask = label_tensor != IGNORE_INDEX
-        prompts = torch.tensor(prompt_positions, dtype=torch.int64) if self.score_chosen_prompts else None
-        input_ids = torch.tensor([ids], dtype=torch.int64)
+            row.add_pad(pad, self.pad_token_id)
+        return self._batch(row, features, pad)
+
+    def _batch(self, row: _Row, features: Sequence[Mapping[str, Any]], pad: int) -> PackedPairBatch:
+        label_tensor = torch.tensor([row.labels], dtype=torch.int64)
+        prompts = torch.tensor(row.prompt_positions, dtype=torch.int64) if self.score_chosen_prompts else None
+        input_ids = torch.tensor([row.ids], dtype=torch.int64)
+        positions, targets, sequences = (torch.tensor(values, dtype=torch.int64) for values in row.scored)
+        shared = {}
+        if self.share_prompt:
+            shared = {
+                "kv_index": torch.tensor(row.kv_index, dtype=torch.int64),
+                "cu_seqlens_k": torch.tensor(row.cu_k, dtype=torch.int32),
+                "max_seqlen_k": _longest(row.cu_k),
+                "num_shared_prompt_tokens": row.shared_tokens,
+            }
         return PackedPairBatch(
             input_ids=input_ids,
-            position_ids=torch.tensor([positions], dtype=torch.int64),
-            cu_seqlens=torch.tensor(cu, dtype=torch.int32),
-            max_seqlen=max(b - a for a, b in zip(cu[:-1], cu[1:], strict=True)),
+            position_ids=torch.tensor([row.positions], dtype=torch.int64),
+            cu_seqlens=torch.tensor(row.cu, dtype=torch.int32),
+            max_seqlen=_longest(row.cu),
             labels=label_tensor,
-            completion_mask=mask,
-            sequence_index=torch.tensor([seq_index], dtype=torch.int64),
-            num_pairs=n,
-            completion_positions=mask[0].nonzero().flatten(),
+            completion_mask=label_tensor != IGNORE_INDEX,
+            sequence_index=torch.tensor([row.seq_index], dtype=torch.int64),
+            num_pairs=len(features),
+            completion_positions=positions,
             pair_weights=_pair_weights(features),
             ref_logps=_ref_logps(features),
             num_pad_tokens=pad,
             prompt_positions=prompts,
             prompt_targets=None if prompts is None else input_ids[0].index_select(0, prompts + 1),
+            completion_targets=targets,
+            completion_sequences=sequences,
+            **shared,  # type: ignore[arg-type]
         )
 
     def _pad_length(self, length: int) -> int:
@@ -334,3 +454,8 @@ class PackedPairCollator:
         if self.pad_to_multiple_of is None:
             return 0
         return -length % self.pad_to_multiple_of
+
+
+def _longest(bounds: list[int]) -> int:
+    """Longest segment of cumulative ``bounds``."""
+    return max(b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True))

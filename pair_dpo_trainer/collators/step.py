@@ -50,6 +50,11 @@ class StepBatch:
         """Tokens of the pairs' sequences of all micro-batches (pad segments excluded), host-known."""
         return sum(mb.num_real_tokens for mb in self.microbatches)
 
+    @property
+    def num_unshared_tokens(self) -> int:
+        """Tokens of the pairs' sequences with each prompt counted twice (TRL's layout), host-known."""
+        return sum(mb.num_unshared_tokens for mb in self.microbatches)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> StepBatch:
         """A copy with every micro-batch on ``device``."""
         return StepBatch(tuple(mb.to(device, non_blocking=non_blocking) for mb in self.microbatches))

@@ -238,12 +238,13 @@ class PairDPOConfig(TrainingArguments):
     max_tokens_per_microbatch: int | None = field(
         default=None,
         metadata={
-            "help": "Token budget of one packed micro-batch (its row length: 2 x prompt + chosen + rejected summed "
-            "over its pairs). Set: per_device_train_batch_size is the pairs per GPU per optimizer step, "
-            "gradient_accumulation_steps must be 1, and each step's pairs are packed into as many micro-batches of "
-            "<= this many tokens as the busiest rank needs (the same count on every rank); eval micro-batches keep "
-            "to it too; a longer pair is rejected ('pair_too_long'). None: exactly gradient_accumulation_steps "
-            "micro-batches per step, sized by pair count."
+            "help": "Token budget of one packed micro-batch (its row length: prompt + chosen + rejected summed over "
+            "its pairs with share_prompt, 2 x prompt + chosen + rejected without; a pair is admitted by the latter, "
+            "so the same data serves both layouts). Set: per_device_train_batch_size is the pairs per GPU per "
+            "optimizer step, gradient_accumulation_steps must be 1, and each step's pairs are packed into as many "
+            "micro-batches of <= this many tokens as the busiest rank needs (the same count on every rank); eval "
+            "micro-batches keep to it too; a longer pair is rejected ('pair_too_long'). None: exactly "
+            "gradient_accumulation_steps micro-batches per step, sized by pair count."
         },
     )
     pad_to_budget: bool = field(
@@ -289,6 +290,16 @@ class PairDPOConfig(TrainingArguments):
         metadata={
             "help": "Attention for packed rows: auto, flash_attn, torch_varlen or sdpa_segments; 'auto' picks "
             "flash_attn, then torch_varlen (CUDA), then sdpa_segments."
+        },
+    )
+    share_prompt: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Pack each pair's prompt once ([prompt | chosen | rejected], the rejected tokens attending to the "
+            "prompt and to themselves only), so the policy's and the reference's passes compute it once: a pair "
+            "costs prompt + chosen + rejected tokens instead of 2 x prompt + chosen + rejected. None: on where the "
+            "model supports it (no sliding-window attention layers), else off, the run summary says why. True: "
+            "required (refused with 'share_prompt_unsupported' where unsupported). False: off."
         },
     )
     logps_chunk_size: int = field(
@@ -467,6 +478,7 @@ class PairDPOConfig(TrainingArguments):
             *self._budget_problems(),
             *self._memory_problems(),
             *self._data_problems(),
+            *self._share_prompt_problems(),
             *self._timeout_problems(),
             *self._divergence_problems(),
         ]
@@ -624,6 +636,13 @@ class PairDPOConfig(TrainingArguments):
             return []
         message = f"dataset_num_proc={num_proc!r}: set a worker count >= 1, or None (all usable cores)."
         return [("bad_num_proc", message)]
+
+    def _share_prompt_problems(self) -> list[Problem]:
+        """``share_prompt``: None (where supported), True or False."""
+        if self.share_prompt is None or isinstance(self.share_prompt, bool):
+            return []
+        message = f"share_prompt={self.share_prompt!r}: use None (on where supported), True (required) or False."
+        return [("bad_share_prompt", message)]
 
     def _timeout_problems(self) -> list[Problem]:
         """``ddp_timeout``: the seconds every collective may wait for its peers. 0 or less lets none wait, so the job

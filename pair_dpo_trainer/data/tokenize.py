@@ -411,9 +411,10 @@ def pair_costs(rows: Any) -> list[int]:
     return pair_cost_array(rows).tolist()
 
 
-def pair_cost_array(rows: Any) -> np.ndarray:
+def pair_cost_array(rows: Any, *, share_prompt: bool = False) -> np.ndarray:
     """:func:`pair_costs` as an ``[N]`` int64 array; for a ``datasets.Dataset`` computed from the Arrow list lengths
-    of its token columns, batch by batch (no Python object per pair, no token read).
+    of its token columns, batch by batch (no Python object per pair, no token read). With ``share_prompt`` the
+    cost in the shared-prompt layout, ``len(prompt) + len(chosen) + len(rejected)`` (the prompt packed once).
 
     Raises:
         KeyError: A ``datasets.Dataset`` without the three ``*_input_ids`` columns.
@@ -423,9 +424,11 @@ def pair_cost_array(rows: Any) -> np.ndarray:
         if missing:
             raise KeyError(f"the dataset lacks the column(s) {missing}; tokenise it first (tokenize_dataset).")
         prompt, chosen, rejected = (arrow_lengths(rows, column) for column in FEATURE_COLUMNS)
-        return 2 * prompt + chosen + rejected
+        return (1 if share_prompt else 2) * prompt + chosen + rejected
+    copies = 1 if share_prompt else 2
     costs = (
-        2 * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"]) for row in rows
+        copies * len(row["prompt_input_ids"]) + len(row["chosen_input_ids"]) + len(row["rejected_input_ids"])
+        for row in rows
     )
     return np.fromiter(costs, dtype=np.int64)
 

@@ -34,6 +34,9 @@ BACKENDS = ("flash_attn", "torch_varlen", "sdpa_segments")
 ATTN_BACKENDS = ("auto", *BACKENDS)
 """The values of ``attn_backend``."""
 
+KV_INDEX_KWARG = "pair_kv_index"
+"""Forward keyword of the shared-prompt layout: the row positions gathered into each layer's keys and values."""
+
 
 def attn_backend_problems(attn_backend: str) -> list[Problem]:
     """``bad_attn_backend`` when ``attn_backend`` is not one of :data:`ATTN_BACKENDS`."""
@@ -204,21 +207,67 @@ def enable_pair_varlen(model: torch.nn.Module, backend: str = "auto", device: to
     return resolved
 
 
+def share_prompt_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot run the shared-prompt layout, or None when it can.
+
+    Needs the ``pair_varlen`` attention (the only one that reads the gathered key segments), a model class that
+    hands the forward's keywords to its attention function (transformers' ``_supports_attention_backend``: the
+    ``pair_kv_index`` keyword must reach every layer) and no sliding-window layer (a window over ``[p r]`` keys
+    would need the key offsets of the unshared sequence).
+    """
+    target = unwrap_model(model)
+    config = target.config
+    if config._attn_implementation != PAIR_VARLEN:
+        return f"its attention is {config._attn_implementation!r}, not {PAIR_VARLEN!r}"
+    if not getattr(target, "_supports_attention_backend", False):
+        return f"{type(target).__name__} does not pass the forward's keywords to its attention function"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        sliding = any("sliding" in str(kind) for kind in layer_types)
+    else:
+        sliding = getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+    if sliding:
+        return f"{type(target).__name__} has sliding-window attention layers (sliding_window={config.sliding_window})"
+    return None
+
+
+def resolve_share_prompt(requested: bool | None, model: torch.nn.Module) -> tuple[bool, str | None]:
+    """The layout a run uses: ``(share, why_not)``; ``requested`` is ``PairDPOConfig.share_prompt``.
+
+    Raises:
+        ConfigError: ``share_prompt_unsupported`` when ``requested`` is True and the model cannot run it.
+    """
+    if requested is False:
+        return False, "share_prompt=False"
+    reason = share_prompt_unsupported_reason(model)
+    if reason is not None and requested:
+        raise ConfigError(
+            "share_prompt_unsupported",
+            f"share_prompt=True, but {reason}: set share_prompt=None (the unshared layout where unsupported) or False.",
+        )
+    return reason is None, reason
+
+
 def packed_forward_kwargs(batch: PackedPairBatch) -> dict[str, Any]:
     """Keyword arguments of a packed forward: ids, positions, varlen boundaries and ``use_cache=False``.
 
     ``use_cache=False`` is required: with a cache, transformers treats the row as one long causal sequence and
-    packed sequences silently attend across their boundaries.
+    packed sequences silently attend across their boundaries. A shared-prompt batch also passes its key segments
+    (``cu_seq_lens_k`` over the keys gathered by ``pair_kv_index``), which only ``pair_varlen`` reads.
     """
-    return {
+    shared = batch.kv_index is not None
+    kwargs: dict[str, Any] = {
         "input_ids": batch.input_ids,
         "position_ids": batch.position_ids,
         "cu_seq_lens_q": batch.cu_seqlens,
-        "cu_seq_lens_k": batch.cu_seqlens,
+        "cu_seq_lens_k": batch.cu_seqlens_k if shared else batch.cu_seqlens,
         "max_length_q": batch.max_seqlen,
-        "max_length_k": batch.max_seqlen,
+        "max_length_k": batch.max_seqlen_k if shared else batch.max_seqlen,
         "use_cache": False,
     }
+    if shared:
+        kwargs[KV_INDEX_KWARG] = batch.kv_index
+    return kwargs
 
 
 def pair_varlen_attention_forward(
@@ -246,8 +295,11 @@ def pair_varlen_attention_forward(
         sliding_window: Window of sliding-window layers (Mistral / Qwen2 / Qwen3): a query attends to the
             ``sliding_window`` most recent keys, itself included.
         softcap: Attention logit soft-capping (flash_attn only).
-        **kwargs: ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32 ``[S + 1]`` over the ``B * T`` flattened
-            tokens), ``max_length_q`` / ``max_length_k`` (int). Without them every row is one causal sequence.
+        **kwargs: ``cu_seq_lens_q`` (int32 ``[S + 1]`` over the ``B * T`` flattened tokens), ``max_length_q``
+            (int). Without them every row is one causal sequence. With ``pair_kv_index`` (``[Tk]`` int64, the
+            shared-prompt layout) the keys/values are gathered from the row by it and segmented by
+            ``cu_seq_lens_k`` / ``max_length_k``; query segment ``s`` attends to key segment ``s``, causal
+            bottom-right aligned. Without it the key segments are the query segments.
 
     Returns:
         ``(attn_output [B, T, Hq, D], None)``, the layout transformers expects.
@@ -263,23 +315,36 @@ def pair_varlen_attention_forward(
     if cu_seqlens is None:
         cu_seqlens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=query.device)
         max_seqlen = length
+    key, value = _packed(key), _packed(value)
+    kv_index = kwargs.get(KV_INDEX_KWARG)
+    cu_seqlens_k, max_seqlen_k = cu_seqlens, max_seqlen
+    if kv_index is not None:  # shared-prompt layout: key segments [p c][p r] gathered from the row
+        key, value = key.index_select(0, kv_index), value.index_select(0, kv_index)
+        cu_seqlens_k, max_seqlen_k = kwargs["cu_seq_lens_k"], kwargs["max_length_k"]
     is_causal = kwargs.get("is_causal")
     requested = getattr(module, _BACKEND_ATTR, "auto")
     backend = _resolve_cached(requested, query.device, query.dtype)
     out = varlen_attention(
         _packed(query),
-        _packed(key),
-        _packed(value),
+        key,
+        value,
         cu_seqlens,
-        max_seqlen if isinstance(max_seqlen, (int, torch.SymInt)) else int(max_seqlen),  # type: ignore[arg-type]  # a SymInt stays symbolic
+        _length(max_seqlen),
         backend=backend,
         scale=scaling,
         causal=bool(getattr(module, "is_causal", True) if is_causal is None else is_causal),
         sliding_window=sliding_window,
         dropout=dropout,
         softcap=softcap,
+        cu_seqlens_k=None if kv_index is None else cu_seqlens_k,
+        max_seqlen_k=None if kv_index is None else _length(max_seqlen_k),
     )
     return out.view(batch, length, heads, head_dim), None
+
+
+def _length(value: Any) -> int:
+    """A python int (a SymInt stays symbolic)."""
+    return value if isinstance(value, (int, torch.SymInt)) else int(value)  # type: ignore[return-value]
 
 
 def _packed(x: torch.Tensor) -> torch.Tensor:
@@ -300,6 +365,8 @@ def varlen_attention(
     sliding_window: int | None = None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
     """Attention inside each ``cu_seqlens`` segment of packed tokens.
 
@@ -315,6 +382,10 @@ def varlen_attention(
         sliding_window: Attend only to the ``sliding_window`` most recent keys (causal only).
         dropout: Attention dropout probability (not supported by ``torch_varlen``).
         softcap: Attention logit soft-capping (``flash_attn`` only).
+        cu_seqlens_k: int32 ``[S + 1]`` key segments when they differ from the query segments (``key`` / ``value``
+            are then ``[Nk, Hkv, D]``): query segment ``s`` attends to key segment ``s``, a causal mask aligned
+            bottom-right (query ``i`` of ``Lq`` sees keys ``0 .. i + Lk - Lq``). No sliding window with them.
+        max_seqlen_k: Longest key segment (with ``cu_seqlens_k``).
 
     Returns:
         ``[N, Hq, D]`` attention output in the dtype of ``query``.
@@ -326,14 +397,20 @@ def varlen_attention(
         raise ConfigError("attn_feature_unsupported", "a bidirectional sliding window is not supported")
     if softcap and backend != "flash_attn":
         raise ConfigError("attn_feature_unsupported", f"attention soft-capping needs flash_attn, not {backend}")
+    if cu_seqlens_k is not None and sliding_window is not None:
+        raise ConfigError("attn_feature_unsupported", "a shared-prompt row cannot run sliding-window attention")
     left = -1 if sliding_window is None else int(sliding_window) - 1
+    cu_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    max_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     if backend == "sdpa_segments":
-        return _sdpa_segments(query, key, value, cu_seqlens.tolist(), scale, causal, sliding_window, dropout)
-    cu_seqlens = cu_seqlens.to(torch.int32)
+        bounds = cu_seqlens.tolist()
+        bounds_k = bounds if cu_seqlens_k is None else cu_seqlens_k.tolist()
+        return _sdpa_segments(query, key, value, (bounds, bounds_k), scale, causal, sliding_window, dropout)
+    cu_q, cu_k = cu_seqlens.to(torch.int32), cu_k.to(torch.int32)
     if backend == "flash_attn":
         extra = {"softcap": float(softcap)} if softcap else {}
         return _kernel(backend)(
-            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+            query, key, value, cu_q, cu_k, max_seqlen, max_k,
             dropout_p=dropout, softmax_scale=scale, causal=causal,
             window_size=(left, 0 if causal else -1), **extra,
         )  # fmt: skip
@@ -342,7 +419,7 @@ def varlen_attention(
     varlen_attn = _kernel(backend)
     extra = {"enable_gqa": True} if _GQA_KWARGS[backend] and query.shape[1] != key.shape[1] else {}
     return varlen_attn(
-        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        query, key, value, cu_q, cu_k, max_seqlen, max_k,
         scale=scale, window_size=(left, 0 if causal else -1), **extra,
     )  # fmt: skip
 
@@ -358,29 +435,47 @@ def _sdpa_segments(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    bounds: list[int],
+    bounds: tuple[list[int], list[int]],
     scale: float | None,
     causal: bool,
     window: int | None,
     dropout: float,
 ) -> torch.Tensor:
-    """SDPA once per segment: exact, no cross-segment ``[N, N]`` mask. Shapes as :func:`varlen_attention`."""
-    if bounds[0] != 0 or bounds[-1] != query.shape[0]:
-        raise ValueError(f"cu_seqlens must span all {query.shape[0]} tokens, got bounds {bounds[0]}..{bounds[-1]}")
+    """SDPA once per segment: exact, no cross-segment ``[N, N]`` mask. Shapes as :func:`varlen_attention`;
+    ``bounds`` are the query and the key segment boundaries (the same list in the unshared layout)."""
+    bounds_q, bounds_k = bounds
+    if bounds_q[0] != 0 or bounds_q[-1] != query.shape[0] or bounds_k[-1] != key.shape[0]:
+        raise ValueError(f"cu_seqlens must span all {query.shape[0]} tokens, got bounds {bounds_q[0]}..{bounds_q[-1]}")
     groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key = key.repeat_interleave(groups, dim=1)
         value = value.repeat_interleave(groups, dim=1)
     outputs = []
-    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+    for (start, end), (start_k, end_k) in zip(_spans(bounds_q), _spans(bounds_k), strict=True):
         if end == start:
             continue
-        mask = None
-        if window is not None and end - start > window:
-            mask = _window_mask(end - start, window, query.device)
-        q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+        mask = _segment_mask(end - start, end_k - start_k, causal, window, query.device)
+        q = query[start:end].transpose(0, 1).unsqueeze(0)
+        k, v = (x[start_k:end_k].transpose(0, 1).unsqueeze(0) for x in (key, value))
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale
         )
         outputs.append(out[0].transpose(0, 1))
     return torch.cat(outputs, dim=0)
+
+
+def _spans(bounds: list[int]) -> list[tuple[int, int]]:
+    return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def _segment_mask(
+    length_q: int, length_k: int, causal: bool, window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    """The explicit mask of one segment pair, or None where SDPA's own ``is_causal`` (top-left) is exact."""
+    if length_q != length_k:
+        if not causal:
+            return None
+        return torch.ones(length_q, length_k, dtype=torch.bool, device=device).tril(length_k - length_q)
+    if window is not None and length_q > window:
+        return _window_mask(length_q, window, device)
+    return None

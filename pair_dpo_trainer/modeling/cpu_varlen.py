@@ -14,21 +14,33 @@ import torch
 
 
 def block_mask_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
-    """``torch.nn.attention.varlen.varlen_attn`` semantics with dense SDPA and a block-causal mask (traceable, CPU)."""
+    """``torch.nn.attention.varlen.varlen_attn`` semantics with dense SDPA and a block-causal mask (traceable, CPU):
+    query segment ``s`` (``cu_q``) attends to key segment ``s`` (``cu_k``), causal aligned bottom-right."""
     import torch.nn.functional as F
 
-    n = q.shape[0]
-    pos = torch.arange(n, device=q.device)
-    seg = torch.searchsorted(cu_q[1:].to(torch.int64), pos, right=True)
-    mask = (seg[:, None] == seg[None, :]) & (pos[:, None] >= pos[None, :])
+    seg_q, offset_q, length_q = _segments(cu_q, q.shape[0], q.device)
+    seg_k, offset_k, length_k = _segments(cu_k, k.shape[0], q.device)
+    # query i of a segment sees key j of its key segment when j <= i + (Lk - Lq): bottom-right causal
+    reach = offset_q + (length_k.index_select(0, seg_q) - length_q.index_select(0, seg_q))
+    mask = seg_q[:, None] == seg_k[None, :]
+    if window_size[1] == 0:
+        mask &= offset_k[None, :] <= reach[:, None]
     if window_size[0] >= 0:
-        mask &= (pos[:, None] - pos[None, :]) <= window_size[0]
+        mask &= (reach[:, None] - offset_k[None, :]) <= window_size[0]
     groups = q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(groups, dim=1) for x in (k, v))
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
     )
     return out.transpose(0, 1)
+
+
+def _segments(cu: torch.Tensor, total: int, device: torch.device):
+    """``(segment, offset in it, segment lengths)`` of ``total`` packed tokens with boundaries ``cu``."""
+    cu = cu.to(torch.int64)
+    pos = torch.arange(total, device=device)
+    seg = torch.searchsorted(cu[1:], pos, right=True)
+    return seg, pos - cu.index_select(0, seg), cu[1:] - cu[:-1]
 
 
 def install_traceable_varlen(monkeypatch: Any) -> str:

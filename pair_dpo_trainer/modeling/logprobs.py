@@ -299,10 +299,16 @@ def check_supported_head(model: torch.nn.Module) -> Any:
     return head
 
 
-def _check_varlen(model: torch.nn.Module) -> Any:
-    """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)."""
+def _check_varlen(model: torch.nn.Module, batch: PackedPairBatch) -> Any:
+    """The unwrapped model, after checking that its attention isolates the packed sequences (``attn_not_varlen``)
+    and, for a shared-prompt row, that it reads the gathered key segments (only ``pair_varlen`` does)."""
     target = unwrap_model(model)
     implementation = str(target.config._attn_implementation)
+    if batch.shares_prompt and implementation != PAIR_VARLEN:
+        raise ConfigError(
+            "attn_not_varlen",
+            f"a shared-prompt row (share_prompt) needs attn_implementation={PAIR_VARLEN!r}, got {implementation!r}",
+        )
     if implementation != PAIR_VARLEN and not implementation.startswith("flash_attention"):
         raise ConfigError(
             "attn_not_varlen",
@@ -340,7 +346,7 @@ def in_forward_token_logps(
             log-probs first, so the model's own code sees a single "logits" tensor; only the log-probs carry gradient).
         positions: The rows to score (default ``batch.completion_positions``), aligned with ``targets``.
     """
-    _check_varlen(model)
+    _check_varlen(model, batch)
 
     def chunked_forward(rows: torch.Tensor) -> Any:
         result = chunked_token_logps(
@@ -368,7 +374,7 @@ def packed_hidden_states(model: torch.nn.Module, batch: PackedPairBatch) -> torc
             implementation, which also honours ``cu_seq_lens_q``): other implementations would let packed
             sequences attend to each other or build a dense ``[T, T]`` mask.
     """
-    target = _check_varlen(model)
+    target = _check_varlen(model, batch)
     captured: list[torch.Tensor] = []
 
     def _capture(_module: torch.nn.Module, _args: Any, output: Any) -> None:
@@ -421,14 +427,13 @@ def _scored_token_logps(
     """The log-probs of the batch's completion positions (``[N]``, statistics ``[N, 4] | None``, their sequences)
     and, with ``prompts`` and a batch that lists them, of its ``prompt_positions`` (one pass over both)."""
     head = check_supported_head(model)
-    positions = batch.completion_positions
-    targets = batch.labels.reshape(-1).index_select(0, positions)
+    positions, targets, sequences = batch.completion_positions, batch.scored_targets(), batch.scored_sequences()
     scored = int(positions.shape[0])  # host-known shape: no sync
     extra = batch.prompt_positions if prompts else None
     if extra is not None:
         positions = torch.cat([positions, extra])
         targets = torch.cat([targets, cast(torch.Tensor, batch.prompt_targets)])
-    sequences = batch.sequence_index.reshape(-1).index_select(0, positions)
+        sequences = torch.cat([sequences, batch.sequence_index.reshape(-1).index_select(0, extra)])
     if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
         result = in_forward_token_logps(
             model, head, batch, targets, chunk_size, with_stats=with_stats, positions=positions
@@ -537,7 +542,7 @@ def length_desensitized_weights(batch: PackedPairBatch, alpha: float) -> torch.T
     Device ops only (``index_add`` / ``cumsum``): no host sync. Shape ``[N]`` (``batch.completion_positions``),
     float64 so that ``alpha`` is exact (cast to the log-probs' dtype where it is applied).
     """
-    sequences = batch.sequence_index.reshape(-1).index_select(0, batch.completion_positions)
+    sequences = batch.scored_sequences()
     n = batch.num_sequences
     ones = torch.ones_like(sequences, dtype=torch.float64)
     counts = torch.zeros(n + 1, dtype=torch.float64, device=ones.device).index_add_(0, sequences, ones)[:n]

@@ -69,8 +69,10 @@ class ReferenceManager:
         deepspeed_config: Mapping[str, Any] | None,
         mixed_precision: str = "no",
         fsdp_plugin: Any = None,
+        share_prompt: bool = False,
     ) -> None:
         self.args = args
+        self.share_prompt = share_prompt  # the run's packed layout: the precompute pass packs its rows the same way
         self.source = source
         self.builds = 0
         self._policy = policy
@@ -290,7 +292,7 @@ class ReferenceManager:
                 if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
                     check_resume_identity(resume_from_checkpoint, self._built_identity())
                     self._checked = resume_from_checkpoint
-            logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name)
+            logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name, share_prompt=self.share_prompt)
             entry = CacheEntry(logps=logps, identity=self._built_identity().to_dict())
             if self.args.should_save:
                 write_cache(path[name], keys[name], entry)
@@ -304,6 +306,7 @@ class ReferenceManager:
             reference=cast("dict[str, Any]", self._key_reference),  # set in __init__ for a precomputed run
             args=self.args,
             precision=self._precision,
+            share_prompt=self.share_prompt,
         )
 
     def _remember(self, dataset: Any, entry: CacheEntry) -> None:

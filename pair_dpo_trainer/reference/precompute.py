@@ -131,7 +131,9 @@ def dataset_fingerprint(dataset: Any) -> str:
     return hasher.hexdigest()
 
 
-def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOConfig, precision: str) -> dict[str, Any]:
+def cache_key(
+    *, fingerprint: str, reference: Mapping[str, Any], args: PairDPOConfig, precision: str, share_prompt: bool = False
+) -> dict[str, Any]:
     """Everything the precomputed values depend on (see the module docstring).
 
     Args:
@@ -139,6 +141,8 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOCo
         reference: ``{"pinned": bool, "digest": manifest digest (pinned) or parameter digest (unpinned)}``.
         args: The run's ``PairDPOConfig``.
         precision: The reference's compute precision (e.g. ``"float32|no"``).
+        share_prompt: The pass packs the shared-prompt layout: the same values up to rounding, not bit for bit, so
+            a cache of one layout is not read by the other (``"layout"`` in the key; absent for the unshared one).
     """
     from pair_dpo_trainer.version import __version__
 
@@ -154,6 +158,8 @@ def cache_key(*, fingerprint: str, reference: Mapping[str, Any], args: PairDPOCo
     ld_alpha = getattr(args, "ld_alpha", None)
     if ld_alpha is not None:  # LD-DPO weights the reference's sums too (only then in the key)
         key["ld_alpha"] = float(ld_alpha)
+    if share_prompt:
+        key["layout"] = "shared_prompt"
     return key
 
 
@@ -201,7 +207,9 @@ def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
     return path
 
 
-def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc: str) -> torch.Tensor:
+def compute_ref_logps(
+    reference: Any, dataset: Any, *, args: PairDPOConfig, desc: str, share_prompt: bool = False
+) -> torch.Tensor:
     """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
 
     Every rank runs the same number of micro-batches of ``per_device_eval_batch_size`` pairs, and of at most
@@ -213,9 +221,10 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc
         dataset: Tokenised pairs.
         args: The run's ``PairDPOConfig`` (layout, device, dataloader settings, ``disable_tqdm``).
         desc: Name of the dataset for the progress bar and messages.
+        share_prompt: Pack the shared-prompt layout (the run's, so the budget holds the same pairs).
     """
     sampler = EvalBatchSampler(
-        pair_cost_array(dataset),
+        pair_cost_array(dataset, share_prompt=share_prompt),
         world_size=args.world_size,
         rank=args.process_index,
         pairs_per_microbatch=args.per_device_eval_batch_size,
@@ -226,7 +235,7 @@ def compute_ref_logps(reference: Any, dataset: Any, *, args: PairDPOConfig, desc
     loader: DataLoader[dict[str, Any]] = DataLoader(
         view,
         batch_sampler=sampler,
-        collate_fn=PackedPairCollator(),
+        collate_fn=PackedPairCollator(share_prompt=share_prompt),
         num_workers=args.dataloader_num_workers,
     )
     indices: list[int] = []

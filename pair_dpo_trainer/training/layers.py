@@ -209,7 +209,7 @@ def budget_probe(
     budget = int(args.max_tokens_per_microbatch or 0)
     prompt = min(256, int(args.max_prompt_length or 1), max(1, budget // 4))
     completion = max(1, min(256, args.max_length - prompt))
-    per_pair = 2 * prompt + 2 * completion
+    per_pair = (1 if collator.share_prompt else 2) * prompt + 2 * completion  # the collator's layout
     features = [
         {
             "prompt_input_ids": [3 + i % (vocab_size - 3)] * prompt,

@@ -58,6 +58,7 @@ class PairMetrics:
         self._width = len(self.pair_names) + 1 + 2 * len(TOKEN_METRIC_NAMES)
         self._sums: torch.Tensor | None = None
         self._tokens = 0
+        self._packed_tokens = 0
         self._pairs = 0
         self._unfolded_tokens = 0
         self._started = time.perf_counter()
@@ -72,9 +73,11 @@ class PairMetrics:
         *,
         components: Mapping[str, torch.Tensor] | None = None,
         token_stats: torch.Tensor | None = None,
+        packed_tokens: int | None = None,
     ) -> None:
         """Adds one micro-batch. Tensors are ``[n]`` (``token_stats`` ``[2n, 4]`` per-sequence sums, or None);
-        ``num_tokens`` is the host-known packed length."""
+        ``num_tokens`` is the host-known token count as TRL computes it (each prompt twice), ``packed_tokens`` the
+        tokens packed and computed (a shared prompt once; default ``num_tokens``)."""
         chosen = logps.chosen_rewards(beta).detach()
         rejected = logps.rejected_rewards(beta).detach()
         columns = [
@@ -96,6 +99,7 @@ class PairMetrics:
         sums = torch.cat([(stacked * w).sum(dim=1), w.sum().reshape(1), token_part])
         self._sums = sums if self._sums is None else self._sums + sums
         self._tokens += int(num_tokens)
+        self._packed_tokens += int(num_tokens if packed_tokens is None else packed_tokens)
         self._unfolded_tokens += int(num_tokens)
         self._pairs += int(logps.policy_chosen_logps.shape[0])
 
@@ -109,7 +113,9 @@ class PairMetrics:
                 tokens and is logged as ``num_tokens``. None: no ``num_tokens`` (evaluation).
         """
         sums = self._sums if self._sums is not None else torch.zeros(self._width, dtype=torch.float64)
-        counters = torch.tensor([self._tokens, self._pairs, self._unfolded_tokens], dtype=torch.float64)
+        counters = torch.tensor(
+            [self._packed_tokens, self._tokens, self._pairs, self._unfolded_tokens], dtype=torch.float64
+        )
         packed = torch.cat([sums.to(device), counters.to(device)])
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(packed)
@@ -126,6 +132,7 @@ class PairMetrics:
             if denominator > 0:
                 out[f"{prefix}{name}"] = numerator / denominator
         out[f"{prefix}tokens_per_second"] = values[-3] / elapsed
+        out[f"{prefix}packed_tokens_per_second"] = values[-4] / elapsed
         out[f"{prefix}pairs_per_second"] = values[-2] / elapsed
         if totals is not None:
             totals.num_input_tokens_seen += int(round(values[-1]))
@@ -146,6 +153,7 @@ class PairMetrics:
         """Forgets every sum and restarts the throughput clock."""
         self._sums = None
         self._tokens = 0
+        self._packed_tokens = 0
         self._pairs = 0
         self._unfolded_tokens = 0
         self._started = time.perf_counter()

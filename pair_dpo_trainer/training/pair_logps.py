@@ -46,7 +46,6 @@ def pair_logps_from_sequences(
 
 def completion_token_counts(batch: PackedPairBatch) -> torch.Tensor:
     """Completion tokens per sequence ``[2n]`` float32, computed on the device (no host sync)."""
-    n = batch.num_sequences
-    index = batch.sequence_index.reshape(-1).clamp(max=n)
-    mask = batch.completion_mask.reshape(-1).to(torch.float32)
-    return torch.zeros(n + 1, device=mask.device).index_add_(0, index, mask)[:n]
+    sequences = batch.scored_sequences()
+    ones = torch.ones(sequences.shape, dtype=torch.float32, device=sequences.device)
+    return torch.zeros(batch.num_sequences, device=ones.device).index_add_(0, sequences, ones)

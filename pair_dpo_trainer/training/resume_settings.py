@@ -6,7 +6,9 @@ computed on and the loss they descended. Two groups of options change those and 
 
 - **data**: what turns the same rows into other token ids: ``max_length`` and ``max_prompt_length`` (they decide
   which pairs are truncated and where), ``apply_chat_template_to_strings`` (templated or raw text) and the tokenizer
-  (its fingerprint, :func:`pair_dpo_trainer.data.tokenizer_fingerprint`). A change is ``resume_data_mismatch``.
+  (its fingerprint, :func:`pair_dpo_trainer.data.tokenizer_fingerprint`); and the packed layout (``layout``:
+  ``"shared_prompt"``, absent for the unshared one), which changes a pair's token cost and so how the schedule
+  spreads the pairs over ranks and micro-batches. A change is ``resume_data_mismatch``.
 - **objective**: the loss and its hyper-parameters (``loss_type``, ``loss_weights``, ``beta``, ...) and what makes the
   reference part of the objective (``reference_free``, TR-DPO's sync). A change is ``resume_objective_mismatch``.
 
@@ -47,18 +49,21 @@ OBJECTIVE_OPTIONS = (
 """Options of the loss: each changes the function the optimizer state descended."""
 
 
-def resume_settings(args: Any, tokenizer: Any) -> dict[str, dict[str, Any]]:
+def resume_settings(args: Any, tokenizer: Any, *, share_prompt: bool = False) -> dict[str, dict[str, Any]]:
     """The run's settings in both groups, as JSON values (what the checkpoint manifest records).
 
     Args:
         args: The run's ``PairDPOConfig`` (plain ``TrainingArguments`` lack the pair options: they record None).
         tokenizer: The trainer's ``processing_class`` (None: the dataset came tokenised and none was given).
+        share_prompt: The run packs the shared-prompt layout (recorded as ``data["layout"]``).
 
     Returns:
         ``{"data": {option: value, "tokenizer": fingerprint}, "objective": {option: value}}``.
     """
     data = {name: _plain(getattr(args, name, None)) for name in DATA_OPTIONS}
     data["tokenizer"] = None if tokenizer is None else tokenizer_fingerprint(getattr(tokenizer, "tokenizer", tokenizer))
+    if share_prompt:
+        data["layout"] = "shared_prompt"
     objective = {name: _plain(getattr(args, name, None)) for name in OBJECTIVE_OPTIONS}
     return {"data": data, "objective": objective}
 

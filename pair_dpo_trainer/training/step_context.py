@@ -30,9 +30,7 @@ MarginsFn = Callable[[PackedPairBatch], PairLogps]
 def chosen_scored_tokens(batch: PackedPairBatch) -> torch.Tensor:
     """Scored tokens of the chosen sequences (even sequence indices) of a micro-batch, an int64 scalar on the
     batch's device (a CPU batch costs no device sync)."""
-    sequence = batch.sequence_index.reshape(-1)
-    chosen = (sequence % 2 == 0) & (sequence < batch.num_sequences)
-    return (chosen & batch.completion_mask.reshape(-1)).sum()
+    return (batch.scored_sequences() % 2 == 0).sum()
 
 
 def chosen_sequence_targets(batch: PackedPairBatch) -> int:

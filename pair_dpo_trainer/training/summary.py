@@ -37,6 +37,8 @@ class RunFacts:
         peft_reference: The reference is the PEFT policy with its adapters disabled.
         ignored_reference: Reference settings a reference-free run does not use.
         layers: What the decoder layers run (``training.layers.LayerPlan``: float8, checkpointing), or None.
+        share_prompt: The packed layout: each prompt once (True) or twice (False); None: not reported.
+        unshared_reason: Why the prompt is packed twice (``share_prompt`` off or unsupported), else None.
     """
 
     attn_backend: str
@@ -48,6 +50,33 @@ class RunFacts:
     peft_reference: bool = False
     ignored_reference: Sequence[str] = ()
     layers: Any = None
+    share_prompt: bool | None = None
+    unshared_reason: str | None = None
+
+
+def layout_summary(facts: RunFacts) -> str:
+    """`` | layout shared prompt`` or `` | layout unshared (<why>)``; empty when the layout is not reported."""
+    if facts.share_prompt is None:
+        return ""
+    if facts.share_prompt:
+        return " | layout shared prompt"
+    return f" | layout unshared ({facts.unshared_reason or 'share_prompt=False'})"
+
+
+def first_step_layout(num_tokens: int, num_unshared_tokens: int, *, share_prompt: bool) -> str:
+    """The line rank 0 prints at its first optimizer step: the tokens it packed and what sharing saved.
+
+    Example:
+        >>> first_step_layout(700, 1000, share_prompt=True)[:70]
+        'pair_dpo: first step (rank 0): 700 tokens packed, 1000 with each promp'
+    """
+    if not share_prompt:
+        return f"pair_dpo: first step (rank 0): {num_tokens} tokens packed with each prompt twice (unshared layout)"
+    saved = 100.0 * (1 - num_tokens / max(num_unshared_tokens, 1))
+    return (
+        f"pair_dpo: first step (rank 0): {num_tokens} tokens packed, {num_unshared_tokens} with each prompt twice "
+        f"(as TRL): {saved:.1f}% saved by the shared-prompt layout"
+    )
 
 
 def reference_mode(args: PairDPOConfig, source: Any, *, peft_reference: bool = False) -> str:
@@ -94,7 +123,8 @@ def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: A
     there are any, and FSDP2 with the reference's layout when it runs.
 
     Example:
-        ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | attention torch_varlen |
+        ``pair_dpo: world_size=2 | 32 pairs/step (16 per rank in 2 micro-batches) | layout shared prompt | attention
+        torch_varlen |
         reference online, verified revision fc70... | loss sigmoid, beta=0.1, label_smoothing=0.0 | precision bf16
         mixed | train: raw text (plain strings)``; ``details`` are the :class:`RunFacts` fields when ``facts`` is None.
     """
@@ -112,7 +142,8 @@ def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: A
     reference = reference_mode(args, facts.source, peft_reference=facts.peft_reference)
     return (
         f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
-        f"{_microbatches(args)}) | attention {facts.attn_backend} | {_reference_words(reference)} | loss "
+        f"{_microbatches(args)}){layout_summary(facts)} | attention {facts.attn_backend} | "
+        f"{_reference_words(reference)} | loss "
         f"{objective_summary(args)}, beta={args.beta}, label_smoothing={args.label_smoothing}{precision}{data}{leaves}"
         f"{facts.layers.describe() if facts.layers is not None else ''}{_allocator(args)}"
     )
