@@ -33,7 +33,7 @@ from pair_dpo_trainer.data.cache import PairCache
 from pair_dpo_trainer.data.pairs import build_pairs
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.streams import FileStream
-from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, pair_costs, tokenize_dataset
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, tokenize_dataset
 from pair_dpo_trainer.data.workers import CHUNK_ROWS
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs
@@ -231,7 +231,12 @@ def test_the_trainer_uses_the_configured_cache_and_memory_maps_raw_rows(tmp_path
     assert Path(filename).parent.parent == cache and Path(filename).name == "pairs.arrow"
     costs = trainer._costs(trainer.train_dataset)
     assert isinstance(costs, np.ndarray) and costs.dtype == np.int64
-    assert costs.tolist() == pair_costs([dict(r) for r in trainer.train_dataset])
+    prompt_copies = 1 if trainer.share_prompt else 2  # the run's packed layout: each prompt once where shared
+    expected = [
+        prompt_copies * len(r["prompt_input_ids"]) + len(r["chosen_input_ids"]) + len(r["rejected_input_ids"])
+        for r in trainer.train_dataset
+    ]
+    assert trainer.share_prompt and costs.tolist() == expected
 
 
 def _losses(tmp_path, tok, train_dataset, **options) -> list[float]:
