@@ -118,6 +118,8 @@ PROCESS_START = time.perf_counter()
 PEAK_TFLOPS = (989, 790)
 FP8_RECIPES = ("tensorwise", "rowwise")
 TINY_SIZES = ("tiny", "tiny-qwen")
+MIX_LIMITS = {"trl": (None, 512), "heavy": (8192, 4096), "long": (20480, 16384)}
+"""Per ``--mix``: (``max_length``, None: ``--max-length``; ``max_prompt_length``), so no pair of the mix is cut."""
 NEW_FIELDS = {  # PairDPOConfig field -> the flag that sets it (passed only when the field exists)
     "activation_checkpointing_mode": "--activation-checkpointing",
     "activation_offload": "--activation-offload",
@@ -182,7 +184,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PairDPOConfig.share_prompt: --share-prompt requires the prompt packed once, --no-share-prompt packs it "
         "twice (TRL's layout); neither: the config's default (on where the model supports it)",
     )
-    p.add_argument("--mix", choices=("trl", "heavy"), default="trl", help="trl: TRL's workload; heavy: heavy tail")
+    p.add_argument(
+        "--mix",
+        choices=("trl", "heavy", "long"),
+        default="trl",
+        help="trl: TRL's workload; heavy: heavy tail; long: prompts of 8-16k tokens, completions ~1k",
+    )
     p.add_argument("--steps", type=int, help="timed optimizer steps (30)")
     p.add_argument("--warmup", type=int, help="untimed first steps (5)")
     p.add_argument("--max-length", type=int, default=2048)
@@ -324,8 +331,8 @@ def build_config(args: argparse.Namespace, bs: int, total_steps: int, bf16: bool
         logging_steps=10_000,
         save_strategy="no",
         report_to="none",
-        max_length=8192 if args.mix == "heavy" else args.max_length,  # heavy: prompts and completions to 4096
-        max_prompt_length=4096 if args.mix == "heavy" else 512,
+        max_length=MIX_LIMITS[args.mix][0] or args.max_length,
+        max_prompt_length=MIX_LIMITS[args.mix][1],
         dataloader_num_workers=args.workers,
         seed=args.seed,
         disable_tqdm=True,

@@ -9,7 +9,7 @@ two sides draw the same pairs and build the same random-init model (:func:`build
 * Pairs of token ids drawn with ``numpy.random.default_rng(seed)`` in one fixed call order: prompt U[32, 512]; chosen /
   rejected ``clip(round(lognormal(log 200, 0.9)), 16, 1024)``, each ending with EOS (id 1); ids in [3, V) with
   V = :func:`token_vocab` (VOCAB = 32000, or the model's vocabulary when it is smaller). Or, with ``mix="heavy"``,
-  ``sampler.py``'s heavy-tailed mix.
+  ``sampler.py``'s heavy-tailed mix; or, with ``mix="long"``, the long-prompt mix (:func:`long_prompt_pairs`).
 """
 
 from __future__ import annotations
@@ -74,11 +74,38 @@ def make_pairs(n: int, seed: int, mix: str = "trl", vocab: int = VOCAB) -> list[
     """
     if mix == "heavy":
         return heavy_pairs(n, seed, vocab)
+    if mix == "long":
+        return long_prompt_pairs(n, seed, vocab)
     rng = np.random.default_rng(seed)
     rows = []
     for _ in range(n):
         lp = int(rng.integers(32, 513))
         lc, lr = (int(np.clip(round(rng.lognormal(math.log(200), 0.9)), 16, 1024)) for _ in range(2))
+        rows.append(
+            {
+                "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
+                "chosen_input_ids": rng.integers(3, vocab, lc - 1).tolist() + [EOS_ID],
+                "rejected_input_ids": rng.integers(3, vocab, lr - 1).tolist() + [EOS_ID],
+            }
+        )
+    return rows
+
+
+def long_prompt_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[int]]]:
+    """``n`` pairs of the long-prompt mix (retrieval-augmented answers, summaries, multi-turn chats): prompt
+    U[8192, 16384], chosen / rejected clip(round(lognormal(log 1000, 0.3)), 256, 2048), each ending with EOS; ids in
+    [3, vocab). Here the prompt is most of each sequence, so packing it once per pair saves close to half the tokens.
+
+    Example:
+        >>> row = long_prompt_pairs(1, seed=0)[0]
+        >>> 8192 <= len(row["prompt_input_ids"]) <= 16384, 256 <= len(row["chosen_input_ids"]) <= 2048
+        (True, True)
+    """
+    rng = np.random.default_rng(seed)
+    rows = []
+    for _ in range(n):
+        lp = int(rng.integers(8192, 16385))
+        lc, lr = (int(np.clip(round(rng.lognormal(math.log(1000), 0.3)), 256, 2048)) for _ in range(2))
         rows.append(
             {
                 "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
