@@ -300,7 +300,9 @@ def test_compiled_layers_torch_varlen_stop_compiling_and_match_eager(share_promp
             packed_sequence_logps(model, batch)
     final = counters["stats"]["unique_graphs"]
     print(f"[gpu] unique graphs after each train batch {graphs}; after the no-grad batches {no_grad_graphs} -> {final}")
-    # The longest-sequence int is specialised on first sight and made symbolic when it changes (one recompile);
-    # tensor shapes are symbolic from the start. After that no packed shape compiles again.
-    assert graphs[0] >= 1 and graphs[1] <= graphs[0] + 1 and graphs[2:] == [graphs[1]] * 2
+    # Each longest-segment int (max_seqlen; with shared prompts max_seqlen_k too) is specialised on first sight and
+    # made symbolic when it changes (one recompile each, measured on an H100: [1, 1, 2, 2] shared); tensor shapes are
+    # symbolic from the start. After that no packed shape compiles again.
+    ints = 2 if share_prompt else 1
+    assert graphs[0] >= 1 and graphs[-1] <= graphs[0] + ints and graphs[-1] == graphs[-2]
     assert final == no_grad_graphs
