@@ -81,14 +81,18 @@ def make_pairs(n: int, seed: int, mix: str = "trl", vocab: int = VOCAB) -> list[
     for _ in range(n):
         lp = int(rng.integers(32, 513))
         lc, lr = (int(np.clip(round(rng.lognormal(math.log(200), 0.9)), 16, 1024)) for _ in range(2))
-        rows.append(
-            {
-                "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
-                "chosen_input_ids": rng.integers(3, vocab, lc - 1).tolist() + [EOS_ID],
-                "rejected_input_ids": rng.integers(3, vocab, lr - 1).tolist() + [EOS_ID],
-            }
-        )
+        rows.append(_pair_ids(rng, lp, lc, lr, vocab))
     return rows
+
+
+def _pair_ids(rng: np.random.Generator, lp: int, lc: int, lr: int, vocab: int) -> dict[str, list[int]]:
+    """One pair of the given lengths: ids drawn in [3, vocab), prompt then chosen then rejected (the draw order every
+    mix shares), each completion ending with EOS."""
+    return {
+        "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
+        "chosen_input_ids": rng.integers(3, vocab, lc - 1).tolist() + [EOS_ID],
+        "rejected_input_ids": rng.integers(3, vocab, lr - 1).tolist() + [EOS_ID],
+    }
 
 
 def long_prompt_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[int]]]:
@@ -106,13 +110,7 @@ def long_prompt_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, l
     for _ in range(n):
         lp = int(rng.integers(8192, 16385))
         lc, lr = (int(np.clip(round(rng.lognormal(math.log(1000), 0.3)), 256, 2048)) for _ in range(2))
-        rows.append(
-            {
-                "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
-                "chosen_input_ids": rng.integers(3, vocab, lc - 1).tolist() + [EOS_ID],
-                "rejected_input_ids": rng.integers(3, vocab, lr - 1).tolist() + [EOS_ID],
-            }
-        )
+        rows.append(_pair_ids(rng, lp, lc, lr, vocab))
     return rows
 
 
@@ -121,14 +119,7 @@ def heavy_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[in
     rejected clip(lognormal(log 150, 1.5), 8, 4096), each ending with EOS; ids in [3, vocab)."""
     rng = np.random.default_rng(seed)
     lengths = zip(*(x.tolist() for x in mix_lengths("heavy", n, rng)), strict=True)
-    return [
-        {
-            "prompt_input_ids": rng.integers(3, vocab, lp).tolist(),
-            "chosen_input_ids": rng.integers(3, vocab, lc - 1).tolist() + [EOS_ID],
-            "rejected_input_ids": rng.integers(3, vocab, lr - 1).tolist() + [EOS_ID],
-        }
-        for lp, lc, lr in lengths
-    ]
+    return [_pair_ids(rng, lp, lc, lr, vocab) for lp, lc, lr in lengths]
 
 
 def make_tokenizer() -> Any:
