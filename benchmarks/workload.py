@@ -106,12 +106,11 @@ def long_prompt_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, l
         (True, True)
     """
     rng = np.random.default_rng(seed)
-    rows = []
-    for _ in range(n):
-        lp = int(rng.integers(8192, 16385))
-        lc, lr = (int(np.clip(round(rng.lognormal(math.log(1000), 0.3)), 256, 2048)) for _ in range(2))
-        rows.append(_pair_ids(rng, lp, lc, lr, vocab))
-    return rows
+
+    def completion() -> int:
+        return int(np.clip(round(rng.lognormal(math.log(1000), 0.3)), 256, 2048))
+
+    return [_pair_ids(rng, int(rng.integers(8192, 16385)), completion(), completion(), vocab) for _ in range(n)]
 
 
 def heavy_pairs(n: int, seed: int, vocab: int = VOCAB) -> list[dict[str, list[int]]]:
