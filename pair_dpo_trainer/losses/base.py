@@ -87,7 +87,7 @@ class PairLogps:
 
 @dataclass(frozen=True)
 class LossParams:
-    """Hyper-parameters of the objectives (validated by ``PairDPOConfig._loss_problems``; TRL 1.16's names)."""
+    """Hyper-parameters of the objectives (validated by ``PairDPOConfig.option_problems``; TRL 1.16's names)."""
 
     beta: float = 0.1
     label_smoothing: float = 0.0

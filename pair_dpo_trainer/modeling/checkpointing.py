@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from pair_dpo_trainer.config.arguments import parse_activation_checkpointing
+from pair_dpo_trainer.config.option_checks import parse_activation_checkpointing
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
