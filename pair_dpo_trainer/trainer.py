@@ -25,17 +25,15 @@ from typing import Any, cast
 import torch
 from torch.profiler import record_function
 from torch.utils.data import DataLoader
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Trainer
-from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+from transformers import AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
-from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, pairs_digest, prepared_limits
+from pair_dpo_trainer.data.dataset import pairs_digest
 from pair_dpo_trainer.data.token_ids import input_vocab_size
-from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import ConfigError, raise_problems
 from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
@@ -46,8 +44,6 @@ from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen, resolve_share_prompt
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
-from pair_dpo_trainer.modeling.paths import require_model_directory
-from pair_dpo_trainer.modeling.peft import wrap_with_peft
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
 from pair_dpo_trainer.parallel.fsdp2 import (
@@ -57,19 +53,24 @@ from pair_dpo_trainer.parallel.fsdp2 import (
     full_state_dict,
     setup_fsdp2,
 )
-from pair_dpo_trainer.parallel.node import Node
-from pair_dpo_trainer.parallel.zero3 import ensure_deepspeed_comm, zero3_leaf_setup
+from pair_dpo_trainer.parallel.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignored_reference_settings
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
-from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
+from pair_dpo_trainer.training.loading import (
+    PairDataLoader,
+    check_before_loading,
+    load_policy,
+    tokenized_pairs,
+    with_peft,
+)
 from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
@@ -80,7 +81,7 @@ from pair_dpo_trainer.training.resume_settings import (
     keep_configured_learning_rates,
     resume_settings,
 )
-from pair_dpo_trainer.training.schedule import check_eval_requested, check_train_rows, train_sampler
+from pair_dpo_trainer.training.schedule import train_sampler
 from pair_dpo_trainer.training.summary import (
     RunFacts,
     announce_node,
@@ -90,16 +91,6 @@ from pair_dpo_trainer.training.summary import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-class PairDataLoader(StopSafeDataLoader):
-    """A DataLoader that forwards ``set_epoch`` to its pair batch sampler (the Trainer calls it each epoch); its workers
-    survive a stop signal meant for the job (``fault_tolerance.workers``)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        sampler: Any = self.batch_sampler
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
 
 
 class PairDPOTrainer(Trainer):
@@ -152,14 +143,14 @@ class PairDPOTrainer(Trainer):
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
         check_config(args)  # every feature's option checks, before anything is loaded
-        _check_before_loading(model, args, train_dataset, eval_dataset)
+        check_before_loading(model, args, train_dataset, eval_dataset)
         self.ignored_reference = ignored_reference_settings(args, ref_model_given=ref_model is not None)
         ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
-        model, policy_dir, self.reference_source = _load_policy(model, args, ref_model_given=ref_model is not None)
+        model, policy_dir, self.reference_source = load_policy(model, args, ref_model_given=ref_model is not None)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path, trust_remote_code=False)
         if peft_config is not None:
-            model = _with_peft(model, peft_config, args)
+            model = with_peft(model, peft_config, args)
         self.attn_backend = enable_pair_varlen(model, args.attn_backend)
         self.share_prompt, self.unshared_reason = resolve_share_prompt(args.share_prompt, model)  # packed layout
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
@@ -244,20 +235,7 @@ class PairDPOTrainer(Trainer):
         records how its rows were rendered."""
         if dataset is None:
             return None
-        pairs, renderings = pair_dataset_and_rendering(
-            dataset,
-            tokenizer,
-            max_length=args.max_length,
-            max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
-            max_tokens_per_microbatch=args.max_tokens_per_microbatch,
-            progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
-            desc=desc,
-            num_proc=resolve_num_proc(args.dataset_num_proc),
-            cache_dir=args.dataset_cache_dir,
-            once=Node.from_args(args).once,  # tokenised by each node's local main, memory-mapped by the others
-            apply_chat_template_to_strings=args.apply_chat_template_to_strings,
-            vocab_size=vocab_size,
-        )
+        pairs, renderings = tokenized_pairs(dataset, tokenizer, args, desc=desc, vocab_size=vocab_size)
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs
 
@@ -614,48 +592,3 @@ class PairDPOTrainer(Trainer):
             logs.update(train_metrics)
             logs[SKIPS_METRIC] = self.step_guard.skips
         super().log(logs, start_time)
-
-
-def _check_before_loading(model: Any, args: PairDPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
-    """What needs no model: a prepared dataset's limits replace default ones (the user set neither), an evaluation
-    asked of ``train()`` has an eval dataset (``no_eval_dataset``, an option problem: before any path is looked at),
-    the policy path exists, and the train rows fill one step (``too_few_pairs`` from the row count)."""
-    limits = prepared_limits([train_dataset, eval_dataset])
-    if limits is not None and not args.limits_given():
-        args.max_length, args.max_prompt_length = limits
-        logger.info("max_length=%d, max_prompt_length=%d: the prepared dataset's limits", *limits)
-    check_eval_requested(eval_dataset, eval_strategy=args.eval_strategy, eval_on_start=args.eval_on_start)
-    if isinstance(model, (str, Path)):  # named first: a mistyped path is not reported as too few pairs
-        require_model_directory(str(model), role="policy", option="model", code="model_not_found")
-    check_train_rows(train_dataset, args)
-
-
-def _with_peft(model: PreTrainedModel, peft_config: Any, args: PairDPOConfig) -> PreTrainedModel:
-    """The policy wrapped in ``peft_config``'s adapters, as TRL wraps it (``modeling.peft.wrap_with_peft``)."""
-    checkpointing, zero3 = bool(args.gradient_checkpointing), is_deepspeed_zero3_enabled()
-    wrapped = wrap_with_peft(model, peft_config, gradient_checkpointing=checkpointing, zero3=zero3, seed=args.seed)
-    return cast(PreTrainedModel, wrapped)
-
-
-def _load_policy(
-    model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool
-) -> tuple[PreTrainedModel, str | None, ReferenceSource | None]:
-    """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
-
-    Returns:
-        ``(policy, policy_dir, reference_source)``: ``policy_dir`` is the directory the policy was loaded
-        from (None when passed in memory).
-    """
-    policy_dir = str(model) if isinstance(model, (str, Path)) else None
-    if policy_dir is not None:  # named as the policy, before the reference (by default this path) is looked at
-        require_model_directory(policy_dir, role="policy", option="model", code="model_not_found")
-    reference_source = resolve_reference_source(
-        args,
-        policy_dir=policy_dir,
-        policy_name_or_path=getattr(model, "name_or_path", None),
-        ref_model_given=ref_model_given,
-    )
-    if isinstance(model, PreTrainedModel) or policy_dir is None:
-        return cast(PreTrainedModel, model), policy_dir, reference_source  # a model object (PEFT models too)
-    ensure_deepspeed_comm()  # ZeRO-3 via TrainingArguments.deepspeed: from_pretrained runs under zero.Init
-    return AutoModelForCausalLM.from_pretrained(policy_dir, trust_remote_code=False), policy_dir, reference_source

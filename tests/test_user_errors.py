@@ -339,13 +339,13 @@ def test_the_cli_prints_a_reason_coded_error_as_one_message(capsys):
 
 
 def test_too_few_pairs_is_raised_from_the_row_count_before_the_model_loads_or_rows_tokenise(tmp_path, monkeypatch):
-    from pair_dpo_trainer import trainer as trainer_module
+    from pair_dpo_trainer.training import loading
 
     def not_now(*_args, **_kwargs):
         raise AssertionError("loaded or tokenised before the schedule check")
 
-    monkeypatch.setattr(trainer_module.AutoModelForCausalLM, "from_pretrained", not_now)
-    monkeypatch.setattr(trainer_module, "pair_dataset_and_rendering", not_now)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", not_now)
+    monkeypatch.setattr(loading, "pair_dataset_and_rendering", not_now)
     rows = generate_demo_pairs(seed=0, n=3)
     args = _config(tmp_path, per_device_train_batch_size=4, gradient_accumulation_steps=1)
     with pytest.raises(ScheduleError) as info:
