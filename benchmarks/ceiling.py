@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.rows import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
 from benchmarks.workload import token_vocab
-from pair_dpo_trainer.data.tokenize import pair_costs
+from pair_dpo_trainer.data.costs import pair_costs
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.samplers import PairStepSampler

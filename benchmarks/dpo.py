@@ -111,7 +111,7 @@ from benchmarks.workload import MODEL_SIZES, lora_config, make_pairs, make_token
 from benchmarks.workload import build_model as build_workload_model
 from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.config import PairDPOConfig
-from pair_dpo_trainer.data.tokenize import pair_costs
+from pair_dpo_trainer.data.costs import pair_costs
 from pair_dpo_trainer.trainer import PairDPOTrainer
 
 PROCESS_START = time.perf_counter()

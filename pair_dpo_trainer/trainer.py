@@ -452,7 +452,7 @@ class PairDPOTrainer(Trainer):
         )
 
     def _costs(self, dataset: Any) -> Any:
-        from pair_dpo_trainer.data.tokenize import pair_cost_array
+        from pair_dpo_trainer.data.costs import pair_cost_array
 
         # [N] int64 from the Arrow lengths (no Python int per pair), in the run's packed layout
         return pair_cost_array(dataset, share_prompt=self.share_prompt)

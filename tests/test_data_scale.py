@@ -30,10 +30,11 @@ from transformers import AutoTokenizer
 from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.data.cache import PairCache
+from pair_dpo_trainer.data.costs import pair_cost_array
 from pair_dpo_trainer.data.pairs import build_pairs
 from pair_dpo_trainer.data.prepared import load_prepared
 from pair_dpo_trainer.data.streams import FileStream
-from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, tokenize_dataset
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, tokenize_dataset
 from pair_dpo_trainer.data.workers import CHUNK_ROWS
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs

@@ -12,12 +12,12 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 import pair_dpo_trainer.data.tokenize as tokenize_module
+from pair_dpo_trainer.data.costs import pair_costs
 from pair_dpo_trainer.data.normalize import normalize_row
 from pair_dpo_trainer.data.tokenize import (
     TokenizedPair,
     _end_with_eos,
     _supports_sanitize,
-    pair_costs,
     tokenize_dataset,
     tokenize_pair,
 )

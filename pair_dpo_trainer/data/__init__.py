@@ -8,6 +8,7 @@ See ``normalize.py`` (row shapes and validation), ``tokenize.py`` (tokenisation 
 
 from __future__ import annotations
 
+from pair_dpo_trainer.data.costs import pair_costs
 from pair_dpo_trainer.data.fingerprint import tokenizer_fingerprint
 from pair_dpo_trainer.data.normalize import ROLES, PreferencePair, normalize_row, prompt_hash
 from pair_dpo_trainer.data.prepared import PreparedSplit, load_prepared
@@ -15,7 +16,6 @@ from pair_dpo_trainer.data.tokenize import (
     FEATURE_COLUMNS,
     TokenizationResult,
     TokenizedPair,
-    pair_costs,
     tokenize_dataset,
     tokenize_pair,
     truncate_dataset,

@@ -22,10 +22,11 @@ import numpy as np
 
 from pair_dpo_trainer.data.arrow import content_fingerprint, is_arrow_dataset
 from pair_dpo_trainer.data.cache import META_FILE, PairCache, key_digest, rows_fingerprint
+from pair_dpo_trainer.data.costs import pair_cost_array
 from pair_dpo_trainer.data.pairs import OncePerNode, build_pairs, in_this_process
 from pair_dpo_trainer.data.prepared import PreparedSplit
 from pair_dpo_trainer.data.token_ids import check_token_ids, check_whole_ids
-from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, pair_cost_array, truncate_dataset, truncate_pair
+from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS, truncate_dataset, truncate_pair
 from pair_dpo_trainer.errors import PreferenceRowError
 
 logger = logging.getLogger(__name__)
@@ -258,7 +259,7 @@ def prepared_limits(datasets: Any) -> tuple[int, int] | None:
 def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
     """Raises the ``pair_too_long`` error of the first pair of ``rows`` that costs more than the micro-batch budget.
 
-    The costs come from the Arrow lengths (:func:`~pair_dpo_trainer.data.tokenize.pair_cost_array`); the error is the
+    The costs come from the Arrow lengths (:func:`~pair_dpo_trainer.data.costs.pair_cost_array`); the error is the
     one :func:`~pair_dpo_trainer.data.tokenize.truncate_pair` raises for that row, named by its index.
     """
     budget = limits.get("max_tokens_per_microbatch")
