@@ -590,5 +590,6 @@ class PairDPOTrainer(Trainer):
             train_metrics = self._metrics["train"].reduce(self.args.device, totals=self.state)
             train_metrics.pop("loss", None)  # the Trainer's own loss is the same global pair mean
             logs.update(train_metrics)
-            logs[SKIPS_METRIC] = self.step_guard.skips
+            if self.step_guard.skips:  # from the first skip on; a run without one logs TRL's metric names only
+                logs[SKIPS_METRIC] = self.step_guard.skips
         super().log(logs, start_time)

@@ -268,7 +268,8 @@ def test_torchrun_with_the_trainer_deepspeed_flag_runs_zero3(tmp_path, pairs_fil
 @pytest.mark.slow
 def test_deepspeed_launcher_runs_zero3(tmp_path, pairs_file):
     prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
-    output, state = _launch(prefix, tmp_path, pairs_file, "--deepspeed", str(DS_ZERO3))
+    # the launcher names GPUs (CUDA_VISIBLE_DEVICES=0,1): on this CPU machine the user chooses the CPU (no_gpu else)
+    output, state = _launch(prefix, tmp_path, pairs_file, "--deepspeed", str(DS_ZERO3), "--use_cpu", "true")
     _assert_one_two_process_job(output, state)
     assert "ZeRO-3 leaf modules LlamaDecoderLayer" in output
 

@@ -139,9 +139,8 @@ def test_the_deepspeed_launcher_stops_every_rank_with_a_checkpoint_when_its_comm
     out, progress = tmp_path / "out", tmp_path / "progress"
     prefix = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(free_port())]
     hooks = {"progress": str(progress), "step_sleep": 0.5}
-    report, log = _reap(
-        tmp_path, prefix, _flags(out, pairs_file), hooks=hooks, wait_for=progress, target="launcher", lines=2
-    )
+    flags = [*_flags(out, pairs_file), "--use_cpu", "true"]  # the launcher names GPUs: the CPU is the user's choice
+    report, log = _reap(tmp_path, prefix, flags, hooks=hooks, wait_for=progress, target="launcher", lines=2)
     assert report["launcher"] == -15 and _child_code(report) == 75, report  # launch.py, re-parented
     _assert_stopped_with_a_checkpoint(out, log, ranks=2)
 
