@@ -99,8 +99,7 @@ def _id_batches(rows: Any) -> Iterator[pa.Table | list[Any]]:
     if is_arrow_dataset(rows):
         yield from scan(rows, list(FEATURE_COLUMNS), batch_rows=CHECK_ROWS)
         return
-    for begin in range(0, len(rows), CHECK_ROWS):
-        batch = [rows[i] for i in range(begin, min(begin + CHECK_ROWS, len(rows)))]
+    for batch in _row_chunks(rows):
         try:
             yield pa.table({column: pa.array([row[column] for row in batch]) for column in FEATURE_COLUMNS})
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError):  # text among numbers, huge ints
@@ -148,10 +147,15 @@ def _tables(pairs: Any) -> Iterator[pa.Table]:
     if is_arrow_dataset(pairs):
         yield from scan(pairs, list(FEATURE_COLUMNS), batch_rows=CHECK_ROWS)
         return
-    for begin in range(0, len(pairs), CHECK_ROWS):
-        rows = [pairs[i] for i in range(begin, min(begin + CHECK_ROWS, len(pairs)))]
-        ids_type = pa.list_(pa.int64())
+    ids_type = pa.list_(pa.int64())
+    for rows in _row_chunks(pairs):
         yield pa.table({column: pa.array([row[column] for row in rows], type=ids_type) for column in FEATURE_COLUMNS})
+
+
+def _row_chunks(rows: Any) -> Iterator[list[Any]]:
+    """A sequence of rows in lists of :data:`CHECK_ROWS` consecutive rows (the batches of both checks)."""
+    for begin in range(0, len(rows), CHECK_ROWS):
+        yield [rows[i] for i in range(begin, min(begin + CHECK_ROWS, len(rows)))]
 
 
 def _first_bad(column: pa.ChunkedArray, vocab_size: int) -> list[tuple[int, int]]:
