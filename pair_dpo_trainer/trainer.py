@@ -53,6 +53,7 @@ from pair_dpo_trainer.parallel.fsdp2 import (
     full_state_dict,
     setup_fsdp2,
 )
+from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel, step_context_problem
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignored_reference_settings
@@ -163,10 +164,11 @@ class PairDPOTrainer(Trainer):
             args=args,
             data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
-                pad_to_length=args.max_tokens_per_microbatch if args.pad_to_budget else None,
+                pad_to_length=args.row_token_budget if args.pad_to_budget else None,
                 pad_to_multiple_of=None if args.pad_to_budget else fp8_pad_multiple(args.fp8),
                 score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
                 share_prompt=self.share_prompt,
+                sequence_shard=args.sequence_shard,  # this rank's slice of each row (sequence parallelism)
             ),
             train_dataset=train_pairs,
             eval_dataset=eval_pairs,
@@ -174,6 +176,7 @@ class PairDPOTrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
+        apply_sequence_parallel(model, args.sequence_parallel_size)  # after run_problems checked the world
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
         peft = is_peft_model(model)
@@ -183,6 +186,11 @@ class PairDPOTrainer(Trainer):
         self.step_guard = NonFiniteStepGuard(args.max_nonfinite_grad_skips, loss_scaled=bool(args.fp16))
         self.add_callback(self.step_guard)  # a step DeepSpeed discarded still steps the LR schedule
         self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
+        needs_step = self.objective_runtime.needs_step_context
+        step_problem = step_context_problem(args.sequence_parallel_size, needs_step_context=needs_step,
+                                            loss_type=args.loss_type)  # fmt: skip
+        if step_problem is not None:
+            raise ConfigError(*step_problem)
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
         self._metrics = {"train": PairMetrics(components), "eval": PairMetrics(components)}
@@ -430,10 +438,10 @@ class PairDPOTrainer(Trainer):
             dataset = cast(dict, self.eval_dataset)[dataset]
         sampler = EvalBatchSampler(
             self._costs(dataset),
-            world_size=self.args.world_size,
-            rank=self.args.process_index,
+            world_size=self.args.data_parallel_size,
+            rank=self.args.data_parallel_rank,
             pairs_per_microbatch=self.args.per_device_eval_batch_size,
-            max_tokens_per_microbatch=self.args.max_tokens_per_microbatch,
+            max_tokens_per_microbatch=self.args.row_token_budget,
         )
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
         return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, StopSafeDataLoader)
@@ -558,8 +566,10 @@ class PairDPOTrainer(Trainer):
                 packed_tokens=inputs.num_real_tokens,  # what ran: a shared prompt once
                 components=output.components,
                 token_stats=policy.token_stats,
+                counts_pairs=inputs.counts_pairs,  # a sequence-parallel group's pairs count once
             )
-            loss = step_normalized_loss(losses, world_size=self.args.world_size, global_pairs=num_items_in_batch)
+            data_parallel = self.args.data_parallel_size  # a sequence-parallel group's ranks share its pairs' loss
+            loss = step_normalized_loss(losses, world_size=data_parallel, global_pairs=num_items_in_batch)
         return (loss, {"losses": losses}) if return_outputs else loss
 
     # ------------------------------------------------------------------ eval and logging

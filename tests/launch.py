@@ -19,13 +19,25 @@ def accelerate_launch(config: Path, worker: str, out: Path, *, env: dict[str, st
     return _launch(cmd, worker, out, env=env, timeout=timeout)
 
 
-def torchrun(worker: str, out: Path, *, port: int, env: dict[str, str] | None = None, timeout: int = 600):
-    """The same with ``torchrun --nproc_per_node 2 --master_port port`` (no accelerate config)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    return _launch(cmd, worker, out, env=env, timeout=timeout)
+def torchrun(
+    worker: str,
+    out: Path,
+    *,
+    port: int,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+    nproc: int = 2,
+    args: tuple[str, ...] = (),
+):
+    """The same with ``torchrun --nproc_per_node nproc --master_port port`` (no accelerate config); ``args`` follow
+    ``out`` on the worker's command line."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(port)]
+    return _launch(cmd, worker, out, env=env, timeout=timeout, args=args)
 
 
-def _launch(cmd: list[str], worker: str, out: Path, *, env: dict[str, str] | None, timeout: int):
+def _launch(
+    cmd: list[str], worker: str, out: Path, *, env: dict[str, str] | None, timeout: int, args: tuple[str, ...] = ()
+):
     full_env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -34,7 +46,7 @@ def _launch(cmd: list[str], worker: str, out: Path, *, env: dict[str, str] | Non
         **(env or {}),
     }
     proc = subprocess.run(
-        [*cmd, str(ROOT / "tests" / worker), str(out)],
+        [*cmd, str(ROOT / "tests" / worker), str(out), *args],
         env=full_env,
         cwd=ROOT,
         capture_output=True,

@@ -132,6 +132,7 @@ EXPECTED_CONFIGS = {
     "zero3.yaml": ("deepspeed", 8, {"zero_stage": 3, "offload_param_device": "none", "mixed_precision": "bf16"}),
     "zero3_offload.yaml": ("deepspeed", 8, {"zero_stage": 3, "offload_param_device": "cpu"}),
     "zero3_overlap.yaml": ("deepspeed", 8, {"zero_stage": 3}),
+    "zero3_sequence_parallel.yaml": ("deepspeed", 8, {"zero_stage": 3, "mixed_precision": "bf16"}),
     "zero3_multinode.yaml": ("deepspeed", 64, {"zero_stage": 3, "num_machines": 8}),
     "fsdp2.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": False, "mixed_precision": "bf16"}),
     "fsdp2_offload.yaml": ("fsdp (torchrun)", 8, {"fsdp_version": 2, "fsdp_offload_params": True}),

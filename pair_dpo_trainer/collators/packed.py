@@ -9,6 +9,7 @@ Details: collators/README.md, "Module notes", ``packed.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -58,11 +59,17 @@ def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _move(value: Any, fn: Any) -> Any:
-    return fn(value) if isinstance(value, torch.Tensor) else value
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    return value._map(fn) if isinstance(value, _TensorDataclass) else value
 
 
 class _TensorDataclass:
-    """Mixin: ``.to()`` and ``.pin_memory()`` for a dataclass whose tensor fields move together."""
+    """Mixin: ``.to()`` and ``.pin_memory()`` for a dataclass whose tensor fields (nested ones too) move together."""
+
+    def _map(self, fn: Any) -> Any:
+        changes = {f.name: _move(getattr(self, f.name), fn) for f in fields(self)}  # type: ignore[arg-type]
+        return replace(self, **changes)  # type: ignore[type-var]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Any:
         """Return a copy with every tensor field on ``device`` (python ints stay as they are).
@@ -71,16 +78,43 @@ class _TensorDataclass:
             device: Target device.
             non_blocking: Passed to ``Tensor.to``; asynchronous from pinned memory.
         """
-        changes = {
-            f.name: _move(getattr(self, f.name), lambda t: t.to(device, non_blocking=non_blocking))
-            for f in fields(self)  # type: ignore[arg-type]
-        }
-        return replace(self, **changes)  # type: ignore[type-var]
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> Any:
         """Return a copy with every tensor in pinned memory (``DataLoader(pin_memory=True)`` calls it)."""
-        changes = {f.name: _move(getattr(self, f.name), torch.Tensor.pin_memory) for f in fields(self)}  # type: ignore[arg-type]
-        return replace(self, **changes)  # type: ignore[type-var]
+        return self._map(torch.Tensor.pin_memory)
+
+
+@dataclass(frozen=True)
+class SequenceShard(_TensorDataclass):
+    """One rank's slice of a packed row under sequence parallelism (``sequence_parallel_size``).
+
+    The batch keeps the whole row (every rank of the group holds the same one); the shard says which tokens this rank
+    computes and which scored positions fall among them. Written by the collator, on the host.
+
+    Attributes:
+        rank: This rank's index in its sequence-parallel group.
+        size: Ranks in the group (the row's length ``T`` is a multiple of it).
+        start: First token of the slice (``rank * T / size``).
+        end: One past its last token.
+        completion_index: ``[N_r]`` int64 indices into ``completion_positions`` (and its targets, sequences and
+            token weights) of the scored positions in ``[start, end)``.
+        prompt_index: ``[M_r]`` int64 indices into ``prompt_positions`` in the slice, or None.
+        real_tokens: Tokens of the pairs' sequences in the slice (the pad segment excluded).
+    """
+
+    rank: int
+    size: int
+    start: int
+    end: int
+    completion_index: torch.Tensor
+    prompt_index: torch.Tensor | None
+    real_tokens: int
+
+
+def _in_slice(positions: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Indices of ``positions`` in ``[start, end)`` (host tensors)."""
+    return ((positions >= start) & (positions < end)).nonzero().reshape(-1)
 
 
 @dataclass(frozen=True)
@@ -131,6 +165,8 @@ class PackedPairBatch(_TensorDataclass):
         max_seqlen_k: Longest key segment (shared-prompt layout), else None (``max_seqlen``).
         num_shared_prompt_tokens: Prompt tokens stored once instead of twice (0 in the unshared layout): the tokens
             TRL's layout would compute are ``num_real_tokens + num_shared_prompt_tokens``.
+        sequence_shard: Under sequence parallelism, the slice of the row this rank computes
+            (:class:`SequenceShard`), else None.
     """
 
     input_ids: torch.Tensor
@@ -155,6 +191,7 @@ class PackedPairBatch(_TensorDataclass):
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int | None = None
     num_shared_prompt_tokens: int = 0
+    sequence_shard: SequenceShard | None = None
 
     @property
     def shares_prompt(self) -> bool:
@@ -163,8 +200,15 @@ class PackedPairBatch(_TensorDataclass):
 
     @property
     def num_unshared_tokens(self) -> int:
-        """Tokens of the pairs with every prompt counted twice, as TRL's layout computes them (no pad segment)."""
-        return self.num_real_tokens + self.num_shared_prompt_tokens
+        """Tokens of the pairs with every prompt counted twice, as TRL's layout computes them (no pad segment); this
+        rank's share under sequence parallelism (the saved prompt tokens counted by the group's first rank)."""
+        first = self.sequence_shard is None or self.sequence_shard.rank == 0
+        return self.num_real_tokens + (self.num_shared_prompt_tokens if first else 0)
+
+    @property
+    def counts_pairs(self) -> bool:
+        """Whether this rank counts the batch's pairs in throughput metrics (one rank per sequence-parallel group)."""
+        return self.sequence_shard is None or self.sequence_shard.rank == 0
 
     def scored_targets(self) -> torch.Tensor:
         """``[N]`` the target token of every ``completion_positions`` entry (device ops only)."""
@@ -190,7 +234,10 @@ class PackedPairBatch(_TensorDataclass):
 
     @property
     def num_real_tokens(self) -> int:
-        """Tokens of the pairs' sequences: ``T`` without the pad segment (what metrics and FLOPs count)."""
+        """Tokens of the pairs' sequences this rank computes (what metrics and FLOPs count): ``T`` without the pad
+        segment, or the slice's share of them under sequence parallelism."""
+        if self.sequence_shard is not None:
+            return self.sequence_shard.real_tokens
         return self.num_tokens - self.num_pad_tokens
 
     def with_step_context(self, context: Any) -> PackedPairBatch:
@@ -376,6 +423,9 @@ class PackedPairCollator:
             (``prompt_positions`` / ``prompt_targets``): ORPO's NLL covers prompt and completion, as TRL's does.
         share_prompt: Store each prompt once (``[p c r]``, the shared-prompt layout); the attention must honour
             ``kv_index`` / ``cu_seqlens_k`` (``pair_varlen`` does).
+        sequence_shard: ``(rank, size)`` under sequence parallelism: the row is padded to a multiple of ``size``
+            tokens (with ``pad_to_multiple_of``, to a common multiple) and carries this rank's
+            :class:`SequenceShard`; ``pad_to_length`` must then be a multiple of ``size``.
     """
 
     def __init__(
@@ -385,12 +435,22 @@ class PackedPairCollator:
         pad_to_length: int | None = None,
         score_chosen_prompts: bool = False,
         share_prompt: bool = False,
+        sequence_shard: tuple[int, int] | None = None,
     ) -> None:
         for name, value in (("pad_to_multiple_of", pad_to_multiple_of), ("pad_to_length", pad_to_length)):
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive int or None, got {value}")
         if pad_to_multiple_of is not None and pad_to_length is not None:
             raise ValueError("give at most one of pad_to_multiple_of and pad_to_length")
+        self.sequence_shard = sequence_shard
+        if sequence_shard is not None:
+            rank, size = sequence_shard
+            if not 0 <= rank < size:
+                raise ValueError(f"sequence_shard=(rank, size) needs 0 <= rank < size, got {sequence_shard}")
+            if pad_to_length is not None and pad_to_length % size:
+                raise ValueError(f"pad_to_length={pad_to_length} must be a multiple of the group size {size}")
+            if pad_to_length is None:
+                pad_to_multiple_of = math.lcm(pad_to_multiple_of or 1, size)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_length = pad_to_length
         self.pad_token_id = int(pad_token_id)
@@ -440,7 +500,26 @@ class PackedPairCollator:
             prompt_targets=None if prompts is None else input_ids[0].index_select(0, prompts + 1),
             completion_targets=targets,
             completion_sequences=sequences,
+            sequence_shard=self._shard(len(row.ids), pad, positions, prompts),
             **shared,  # type: ignore[arg-type]
+        )
+
+    def _shard(
+        self, length: int, pad: int, positions: torch.Tensor, prompts: torch.Tensor | None
+    ) -> SequenceShard | None:
+        """This rank's :class:`SequenceShard` of a row of ``length`` tokens (the last ``pad`` of them padding)."""
+        if self.sequence_shard is None:
+            return None
+        rank, size = self.sequence_shard
+        start, end = rank * length // size, (rank + 1) * length // size
+        return SequenceShard(
+            rank=rank,
+            size=size,
+            start=start,
+            end=end,
+            completion_index=_in_slice(positions, start, end),
+            prompt_index=None if prompts is None else _in_slice(prompts, start, end),
+            real_tokens=max(min(end, length - pad) - start, 0),
         )
 
     def _pad_length(self, length: int) -> int:

@@ -227,6 +227,16 @@ class PairDPOConfig(TrainingArguments):
             "required (refused with 'share_prompt_unsupported' where unsupported). False: off."
         },
     )
+    sequence_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "Ranks that hold one packed row together (Ulysses sequence parallelism: each rank computes a "
+            "slice of the row's tokens; attention gathers the whole row for a share of the heads with an "
+            "all-to-all), so a pair may be up to sequence_parallel_size x max_tokens_per_microbatch tokens. "
+            "Groups are consecutive ranks; the data-parallel size is world_size / sequence_parallel_size. "
+            "1: off. DDP and DeepSpeed ZeRO; not FSDP2 ('sequence_parallel_unsupported')."
+        },
+    )
     logps_chunk_size: int = field(
         default=4096, metadata={"help": "Tokens per chunk of the vocabulary projection in the log-prob computation."}
     )
@@ -407,3 +417,27 @@ class PairDPOConfig(TrainingArguments):
     def pairs_per_rank_per_step(self) -> int:
         """Pairs each data-parallel rank processes per optimizer step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that train on different pairs: ``world_size / sequence_parallel_size`` (the ranks of a
+        sequence-parallel group hold the same pairs)."""
+        return max(self.world_size // max(self.sequence_parallel_size, 1), 1)
+
+    @property
+    def sequence_shard(self) -> tuple[int, int] | None:
+        """``(rank in its sequence-parallel group, group size)`` under sequence parallelism, else None."""
+        size = self.sequence_parallel_size
+        return (self.process_index % size, size) if size > 1 else None
+
+    @property
+    def row_token_budget(self) -> int | None:
+        """The tokens of one packed row: ``max_tokens_per_microbatch`` per rank times the ranks that hold the row
+        (``sequence_parallel_size``), or None without a budget."""
+        budget = self.max_tokens_per_microbatch
+        return None if budget is None else budget * max(self.sequence_parallel_size, 1)
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's index among :attr:`data_parallel_size` (its sequence-parallel group's index)."""
+        return self.process_index // max(self.sequence_parallel_size, 1)

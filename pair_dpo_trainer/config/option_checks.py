@@ -101,6 +101,7 @@ def option_problems(config: Any) -> list[Problem]:
         *_memory_problems(config),
         *_data_problems(config),
         *_share_prompt_problems(config),
+        *_sequence_parallel_problems(config),
         *_timeout_problems(config),
         *_divergence_problems(config),
     ]
@@ -264,6 +265,25 @@ def _data_problems(config: Any) -> list[Problem]:
         return []
     message = f"dataset_num_proc={num_proc!r}: set a worker count >= 1, or None (all usable cores)."
     return [("bad_num_proc", message)]
+
+
+def _sequence_parallel_problems(config: Any) -> list[Problem]:
+    """``sequence_parallel_size``: a count >= 1 (its fit with the world and the model is checked at run time), the
+    one way to ask for it (Accelerate's ``parallelism_config`` would split the row without knowing its pairs)."""
+    problems: list[Problem] = []
+    size = config.sequence_parallel_size
+    if not _is_count(size, 1):
+        problems.append(("bad_sequence_parallel_size", f"sequence_parallel_size={size!r}: use an int >= 1 (1: off)."))
+    if getattr(config, "parallelism_config", None) is not None:
+        problems.append(
+            (
+                "unsupported_combination",
+                "parallelism_config: Accelerate's sequence/context parallelism slices rows without their pair "
+                "boundaries; set parallelism_config=None and sequence_parallel_size=N (Ulysses over the packed "
+                "pairs) instead.",
+            )
+        )
+    return problems
 
 
 def _share_prompt_problems(config: Any) -> list[Problem]:

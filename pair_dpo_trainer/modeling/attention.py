@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from pair_dpo_trainer.errors import ConfigError, Problem
+from pair_dpo_trainer.modeling.sequence_parallel import gather_sequence, module_sequence_parallel, scatter_sequence
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 if TYPE_CHECKING:
@@ -249,16 +250,19 @@ def resolve_share_prompt(requested: bool | None, model: torch.nn.Module) -> tupl
 
 
 def packed_forward_kwargs(batch: PackedPairBatch) -> dict[str, Any]:
-    """Keyword arguments of a packed forward: ids, positions, varlen boundaries and ``use_cache=False``.
+    """Keyword arguments of a packed forward: ids, positions, varlen boundaries and ``use_cache=False`` (under
+    sequence parallelism the ids and positions of this rank's slice, the boundaries of the whole row).
 
     ``use_cache=False`` is required: with a cache, transformers treats the row as one long causal sequence and
     packed sequences silently attend across their boundaries. A shared-prompt batch also passes its key segments
     (``cu_seq_lens_k`` over the keys gathered by ``pair_kv_index``), which only ``pair_varlen`` reads.
     """
     shared = batch.kv_index is not None
+    shard = batch.sequence_shard  # sequence parallelism: this rank's tokens; the boundaries stay the whole row's
+    tokens = slice(None) if shard is None else slice(shard.start, shard.end)
     kwargs: dict[str, Any] = {
-        "input_ids": batch.input_ids,
-        "position_ids": batch.position_ids,
+        "input_ids": batch.input_ids[:, tokens],
+        "position_ids": batch.position_ids[:, tokens],
         "cu_seq_lens_q": batch.cu_seqlens,
         "cu_seq_lens_k": batch.cu_seqlens_k if shared else batch.cu_seqlens,
         "max_length_q": batch.max_seqlen,
@@ -301,6 +305,10 @@ def pair_varlen_attention_forward(
             ``cu_seq_lens_k`` / ``max_length_k``; query segment ``s`` attends to key segment ``s``, causal
             bottom-right aligned. Without it the key segments are the query segments.
 
+    Under sequence parallelism (the module carries a
+    :class:`~pair_dpo_trainer.modeling.sequence_parallel.SequenceParallel` group) ``T`` is this rank's slice of the
+    row: the kernel runs on the whole row for this rank's share of the heads, between two all-to-alls.
+
     Returns:
         ``(attn_output [B, T, Hq, D], None)``, the layout transformers expects.
     """
@@ -309,6 +317,11 @@ def pair_varlen_attention_forward(
             "attn_feature_unsupported",
             "pair_varlen attention got an attention mask; packed rows pass cu_seq_lens_q/k instead",
         )
+    parallel = module_sequence_parallel(module)
+    if parallel is not None:  # Ulysses: the whole row for this rank's share of the heads
+        query = gather_sequence(query, parallel)
+        key = gather_sequence(key, parallel, repeat=parallel.kv_repeat)
+        value = gather_sequence(value, parallel, repeat=parallel.kv_repeat)
     batch, heads, length, head_dim = query.shape
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     max_seqlen = kwargs.get("max_length_q")
@@ -339,7 +352,8 @@ def pair_varlen_attention_forward(
         cu_seqlens_k=None if kv_index is None else cu_seqlens_k,
         max_seqlen_k=None if kv_index is None else _length(max_seqlen_k),
     )
-    return out.view(batch, length, heads, head_dim), None
+    out = out.view(batch, length, heads, head_dim)
+    return (out if parallel is None else scatter_sequence(out, parallel)), None
 
 
 def _length(value: Any) -> int:

@@ -16,6 +16,7 @@ from pair_dpo_trainer.collators.packed import IGNORE_INDEX, PackedPairBatch, spl
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs
+from pair_dpo_trainer.modeling.sequence_parallel import SequenceParallel, model_sequence_parallel, sum_over_group
 from pair_dpo_trainer.modeling.wrappers import forward_replaced, is_fsdp_managed, unwrap_model
 
 DEFAULT_CHUNK_SIZE = 4096
@@ -427,13 +428,21 @@ def _scored_token_logps(
     """The log-probs of the batch's completion positions (``[N]``, statistics ``[N, 4] | None``, their sequences)
     and, with ``prompts`` and a batch that lists them, of its ``prompt_positions`` (one pass over both)."""
     head = check_supported_head(model)
-    positions, targets, sequences = batch.completion_positions, batch.scored_targets(), batch.scored_sequences()
+    positions, targets, sequences = _local_scored(batch)
     scored = int(positions.shape[0])  # host-known shape: no sync
     extra = batch.prompt_positions if prompts else None
     if extra is not None:
+        prompt_targets = cast(torch.Tensor, batch.prompt_targets)
+        prompt_sequences = batch.sequence_index.reshape(-1).index_select(0, extra)
+        shard = batch.sequence_shard
+        if shard is not None and shard.prompt_index is not None:
+            extra, prompt_targets, prompt_sequences = (
+                x.index_select(0, shard.prompt_index) for x in (extra, prompt_targets, prompt_sequences)
+            )
+            extra = extra - shard.start
         positions = torch.cat([positions, extra])
-        targets = torch.cat([targets, cast(torch.Tensor, batch.prompt_targets)])
-        sequences = torch.cat([sequences, batch.sequence_index.reshape(-1).index_select(0, extra)])
+        targets = torch.cat([targets, prompt_targets])
+        sequences = torch.cat([sequences, prompt_sequences])
     if is_fsdp_managed(model):  # FSDP2: the head weight is whole only inside the model's own head call
         result = in_forward_token_logps(
             model, head, batch, targets, chunk_size, with_stats=with_stats, positions=positions
@@ -455,6 +464,26 @@ def _scored_token_logps(
         prompt_logps=token_logps[scored:],
         prompt_sequences=sequences[scored:],
     )
+
+
+def _local_scored(batch: PackedPairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(positions, targets, sequences)`` of the scored completion tokens this rank computes: all of them, or under
+    sequence parallelism those in its slice, positions relative to the slice."""
+    positions, targets, sequences = batch.completion_positions, batch.scored_targets(), batch.scored_sequences()
+    shard = batch.sequence_shard
+    if shard is None:
+        return positions, targets, sequences
+    index = shard.completion_index
+    targets, sequences = targets.index_select(0, index), sequences.index_select(0, index)
+    return positions.index_select(0, index) - shard.start, targets, sequences
+
+
+def _local_token_weights(batch: PackedPairBatch) -> torch.Tensor | None:
+    """``batch.token_weights`` of the scored tokens this rank computes (see :func:`_local_scored`)."""
+    weights, shard = batch.token_weights, batch.sequence_shard
+    if weights is None or shard is None:
+        return weights
+    return weights.index_select(0, shard.completion_index)
 
 
 def _sequence_sums(values: torch.Tensor, sequences: torch.Tensor, num_sequences: int) -> torch.Tensor:
@@ -490,9 +519,11 @@ def packed_sequence_logps(
     """
     scored = _scored_token_logps(model, batch, chunk_size, with_stats=False)
     token_logps = scored.token_logps
-    if batch.token_weights is not None:
-        token_logps = token_logps * batch.token_weights.to(token_logps.dtype)
-    return _sequence_sums(token_logps, scored.sequences, batch.num_sequences)
+    weights = _local_token_weights(batch)
+    if weights is not None:
+        token_logps = token_logps * weights.to(token_logps.dtype)
+    sums = _sequence_sums(token_logps, scored.sequences, batch.num_sequences)
+    return sum_over_group(sums, model_sequence_parallel(model))
 
 
 def packed_policy_logps(
@@ -502,33 +533,41 @@ def packed_policy_logps(
     (computed inside the chunked head: no ``[T, V]`` tensor, no host sync); with the chosen prompts' log-probs when
     the batch lists them (``prompt_positions``). Shapes and errors as :func:`packed_sequence_logps`."""
     scored = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats, prompts=True)
-    logps = sequence_logps_from_tokens(scored.token_logps, scored.stats, scored.sequences, batch)
+    parallel = model_sequence_parallel(model)
+    logps = sequence_logps_from_tokens(scored.token_logps, scored.stats, scored.sequences, batch, parallel=parallel)
     if scored.prompt_logps is None or scored.prompt_sequences is None:
         return logps
     n = batch.num_sequences
     ones = torch.ones_like(scored.prompt_logps)
     return replace(
         logps,
-        prompt_logps=_sequence_sums(scored.prompt_logps, scored.prompt_sequences, n),
-        prompt_token_counts=_sequence_sums(ones, scored.prompt_sequences, n),
+        prompt_logps=sum_over_group(_sequence_sums(scored.prompt_logps, scored.prompt_sequences, n), parallel),
+        prompt_token_counts=sum_over_group(_sequence_sums(ones, scored.prompt_sequences, n), parallel),
     )
 
 
 def sequence_logps_from_tokens(
-    token_logps: torch.Tensor, stats: torch.Tensor | None, sequences: torch.Tensor, batch: PackedPairBatch
+    token_logps: torch.Tensor,
+    stats: torch.Tensor | None,
+    sequences: torch.Tensor,
+    batch: PackedPairBatch,
+    *,
+    parallel: SequenceParallel | None = None,
 ) -> SequenceLogps:
     """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
-    their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order)."""
+    their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order, or
+    this rank's share of them under sequence parallelism: the sums are then taken over ``parallel``'s group)."""
     n = batch.num_sequences
-    plain = _sequence_sums(token_logps, sequences, n)
-    if batch.token_weights is None:
+    plain = sum_over_group(_sequence_sums(token_logps, sequences, n), parallel)
+    weights = _local_token_weights(batch)
+    if weights is None:
         logps = plain
     else:
-        logps = _sequence_sums(token_logps * batch.token_weights.to(token_logps.dtype), sequences, n)
+        logps = sum_over_group(_sequence_sums(token_logps * weights.to(token_logps.dtype), sequences, n), parallel)
     if stats is not None:
         stats = stats.clone()
         stats[:, 3] = token_logps.detach() - stats[:, 3]  # WPO: log p_t - log sum_v p_v^2
-        stats = _sequence_sums(stats, sequences, n)
+        stats = sum_over_group(_sequence_sums(stats, sequences, n), parallel)
     return SequenceLogps(logps=logps, nll_logps=plain, token_stats=stats)
 
 

@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel
 from pair_dpo_trainer.reference.base import FrozenReference, NoReference, Reference, load_reference_model
 from pair_dpo_trainer.reference.source import ReferenceSource
 
@@ -56,6 +57,7 @@ def build_reference(
     if ref_model is None:
         ref_model = load_reference_model(policy, source.directory if source is not None else None)
     enable_pair_varlen(ref_model, args.attn_backend)
+    apply_sequence_parallel(ref_model, args.sequence_parallel_size)
     if fsdp_plugin is not None:
         from pair_dpo_trainer.reference.fsdp import build_fsdp_reference
 
@@ -94,6 +96,7 @@ def _deepspeed_reference(
         with reference_zero_init(config):
             ref_model = load_reference_model(policy, source.directory if source is not None else None)
     enable_pair_varlen(ref_model, args.attn_backend)
+    apply_sequence_parallel(ref_model, args.sequence_parallel_size)
     return build_deepspeed_reference(
         ref_model, config=config, chunk_size=args.logps_chunk_size, leaf_modules=args.zero3_leaf_modules
     )

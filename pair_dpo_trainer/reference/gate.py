@@ -28,8 +28,9 @@ from pair_dpo_trainer.reference.source import ReferenceSource
 logger = logging.getLogger(__name__)
 
 
-def probe_batch(vocab_size: int) -> PackedPairBatch:
-    """A fixed packed batch of two pairs whose token ids depend only on ``vocab_size`` (deterministic everywhere).
+def probe_batch(vocab_size: int, sequence_shard: tuple[int, int] | None = None) -> PackedPairBatch:
+    """A fixed packed batch of two pairs whose token ids depend only on ``vocab_size`` (deterministic everywhere);
+    this rank's slice of it under sequence parallelism (``sequence_shard``, see ``PackedPairCollator``).
 
     Example:
         ``probe_batch(64).input_ids`` always holds the same 4 sequences of ids in ``[3, 64)``.
@@ -43,11 +44,16 @@ def probe_batch(vocab_size: int) -> PackedPairBatch:
         {"prompt_input_ids": ids(0, 12, 7), "chosen_input_ids": ids(5, 9, 11), "rejected_input_ids": ids(9, 7, 13)},
         {"prompt_input_ids": ids(2, 5, 17), "chosen_input_ids": ids(1, 14, 3), "rejected_input_ids": ids(4, 10, 5)},
     ]
-    return PackedPairCollator()(features)
+    return PackedPairCollator(sequence_shard=sequence_shard)(features)
 
 
 def compute_identity(
-    source: ReferenceSource, reference: Reference, *, vocab_size: int, device: torch.device | str
+    source: ReferenceSource,
+    reference: Reference,
+    *,
+    vocab_size: int,
+    device: torch.device | str,
+    sequence_shard: tuple[int, int] | None = None,
 ) -> ReferenceIdentity:
     """Builds the identity of a built reference: provenance, parameter digest and probe digest.
 
@@ -56,9 +62,11 @@ def compute_identity(
         reference: The built reference (its ``identity_parameters`` for the digest, ``probe`` for the probe).
         vocab_size: Vocabulary size of the reference, for the probe batch.
         device: Device the reference runs on.
+        sequence_shard: This rank's ``(rank, size)`` in its sequence-parallel group, else None.
     """
     # probe False: a reference that cannot run the probe yet (PEFT under FSDP2)
-    probe_logps = reference.sequence_logps(probe_batch(vocab_size).to(device)) if reference.probe else None
+    probe = probe_batch(vocab_size, sequence_shard).to(device) if reference.probe else None
+    probe_logps = reference.sequence_logps(probe) if probe is not None else None
     return build_identity(
         snapshot=source.snapshot,
         revision=source.revision,

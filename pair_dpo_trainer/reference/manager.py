@@ -179,7 +179,11 @@ class ReferenceManager:
         """(Re)computes the identity of the built reference, recording the TR-DPO sync step."""
         assert self.source is not None and self._reference is not None, "identified only once built, with a source"
         identity = compute_identity(
-            self.source, self._reference, vocab_size=self._policy.config.vocab_size, device=self.args.device
+            self.source,
+            self._reference,
+            vocab_size=self._policy.config.vocab_size,
+            device=self.args.device,
+            sequence_shard=self.args.sequence_shard,
         )
         self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
 

@@ -226,17 +226,17 @@ def compute_ref_logps(
     """
     sampler = EvalBatchSampler(
         pair_cost_array(dataset, share_prompt=share_prompt),
-        world_size=args.world_size,
-        rank=args.process_index,
+        world_size=args.data_parallel_size,
+        rank=args.data_parallel_rank,
         pairs_per_microbatch=args.per_device_eval_batch_size,
-        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        max_tokens_per_microbatch=args.row_token_budget,
     )
     assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
     view: Any = WeightedPairs(dataset)  # a map-style dataset (``__getitem__`` / ``__len__``), not a torch Dataset
     loader: DataLoader[dict[str, Any]] = DataLoader(
         view,
         batch_sampler=sampler,
-        collate_fn=PackedPairCollator(share_prompt=share_prompt),
+        collate_fn=PackedPairCollator(share_prompt=share_prompt, sequence_shard=args.sequence_shard),
         num_workers=args.dataloader_num_workers,
     )
     indices: list[int] = []
@@ -247,6 +247,8 @@ def compute_ref_logps(
         kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
         indices.extend(keys[j][0] for j in kept)
         values.append(pair_rows(logps)[kept])
+    if args.sequence_shard is not None and args.sequence_shard[0] != 0:  # the group's first rank reports its pairs
+        indices, values = [], []
     mine = (torch.tensor(indices, dtype=torch.int64), torch.cat(values).cpu() if values else torch.zeros(0, 2))
     result = torch.full((len(dataset), 2), float("nan"), dtype=torch.float32)
     seen = torch.zeros(len(dataset), dtype=torch.int64)

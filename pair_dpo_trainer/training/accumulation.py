@@ -77,6 +77,11 @@ def step_normalized_loss(losses: torch.Tensor, *, world_size: int, global_pairs:
     (the Trainer does not divide by GA: ``loss_is_scaled_for_ga``). Evaluation (``global_pairs`` None) takes the
     micro-batch mean.
 
+    Under sequence parallelism ``W`` is the data-parallel size (world / group size): the ``S`` ranks of a group hold
+    the same pairs and each carries ``1 / S`` of their loss; the all-reduce of their per-sequence log-probs adds the
+    ``S`` gradients in backward (``modeling.sequence_parallel``), and DDP / DeepSpeed's mean over all ``W * S`` ranks
+    then gives the same gradient.
+
     Args:
         losses: ``[n]`` per-pair losses of the micro-batch.
         world_size: ``W``, the data-parallel ranks.

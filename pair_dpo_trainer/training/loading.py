@@ -90,7 +90,7 @@ def tokenized_pairs(
         tokenizer,
         max_length=args.max_length,
         max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
-        max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        max_tokens_per_microbatch=args.row_token_budget,
         progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
         desc=desc,
         num_proc=resolve_num_proc(args.dataset_num_proc),

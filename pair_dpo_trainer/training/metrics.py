@@ -74,10 +74,12 @@ class PairMetrics:
         components: Mapping[str, torch.Tensor] | None = None,
         token_stats: torch.Tensor | None = None,
         packed_tokens: int | None = None,
+        counts_pairs: bool = True,
     ) -> None:
         """Adds one micro-batch. Tensors are ``[n]`` (``token_stats`` ``[2n, 4]`` per-sequence sums, or None);
         ``num_tokens`` is the host-known token count as TRL computes it (each prompt twice), ``packed_tokens`` the
-        tokens packed and computed (a shared prompt once; default ``num_tokens``)."""
+        tokens packed and computed (a shared prompt once; default ``num_tokens``); ``counts_pairs`` False leaves the
+        pairs out of the throughput (the other ranks of a sequence-parallel group, whose first rank counts them)."""
         chosen = logps.chosen_rewards(beta).detach()
         rejected = logps.rejected_rewards(beta).detach()
         columns = [
@@ -101,7 +103,7 @@ class PairMetrics:
         self._tokens += int(num_tokens)
         self._packed_tokens += int(num_tokens if packed_tokens is None else packed_tokens)
         self._unfolded_tokens += int(num_tokens)
-        self._pairs += int(logps.policy_chosen_logps.shape[0])
+        self._pairs += int(logps.policy_chosen_logps.shape[0]) if counts_pairs else 0
 
     def reduce(self, device: torch.device, prefix: str = "", totals: Any = None) -> dict[str, float]:
         """Sums over ranks, returns the means and throughput, and resets. Call on every rank.

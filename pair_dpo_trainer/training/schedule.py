@@ -21,14 +21,14 @@ def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler
         args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
     """
     layout = {
-        "world_size": args.world_size,
-        "rank": args.process_index,
+        "world_size": args.data_parallel_size,  # the ranks of a sequence-parallel group share their pairs
+        "rank": args.data_parallel_rank,
         "pairs_per_rank": args.pairs_per_rank_per_step,
         "seed": args.data_seed if args.data_seed is not None else args.seed,
     }
     if args.max_tokens_per_microbatch is None:
         return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
-    return PairStepSampler(costs, max_tokens_per_microbatch=args.max_tokens_per_microbatch, **layout)
+    return PairStepSampler(costs, max_tokens_per_microbatch=args.row_token_budget, **layout)
 
 
 def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
@@ -42,7 +42,7 @@ def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
     if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__len__"):
         return
     check_enough_pairs(
-        len(dataset), world_size=args.world_size, pairs_per_rank=args.pairs_per_rank_per_step, rows="rows"
+        len(dataset), world_size=args.data_parallel_size, pairs_per_rank=args.pairs_per_rank_per_step, rows="rows"
     )
 
 

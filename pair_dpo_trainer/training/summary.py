@@ -114,7 +114,18 @@ def _microbatches(args: PairDPOConfig) -> str:
         count = args.gradient_accumulation_steps
         return f"{count} micro-batch{'es' if count != 1 else ''}"
     padded = ", padded to it" if getattr(args, "pad_to_budget", False) else ""
+    size = getattr(args, "sequence_parallel_size", 1)
+    if size > 1:
+        return f"rows of <= {budget * size} tokens, {budget} per rank{padded}"
     return f"micro-batches of <= {budget} tokens{padded}"
+
+
+def _world(args: PairDPOConfig) -> str:
+    """``world_size=W``, and the sequence-parallel groups when there are any."""
+    size = getattr(args, "sequence_parallel_size", 1)
+    if size <= 1:
+        return f"world_size={args.world_size}"
+    return f"world_size={args.world_size} = {args.data_parallel_size} data-parallel x {size} sequence-parallel"
 
 
 def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: Any) -> str:
@@ -140,8 +151,9 @@ def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: A
     precision = f" | precision {facts.precision}" if facts.precision else ""
     data = "".join(f" | {name}: {rendering}" for name, rendering in facts.renderings.items())
     reference = reference_mode(args, facts.source, peft_reference=facts.peft_reference)
+    unit = "group" if args.sequence_parallel_size > 1 else "rank"
     return (
-        f"pair_dpo: world_size={args.world_size} | {per_rank * args.world_size} pairs/step ({per_rank} per rank in "
+        f"pair_dpo: {_world(args)} | {per_rank * args.data_parallel_size} pairs/step ({per_rank} per {unit} in "
         f"{_microbatches(args)}){layout_summary(facts)} | attention {facts.attn_backend} | "
         f"{_reference_words(reference)} | loss "
         f"{objective_summary(args)}, beta={args.beta}, label_smoothing={args.label_smoothing}{precision}{data}{leaves}"

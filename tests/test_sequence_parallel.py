@@ -1,0 +1,212 @@
+"""Sequence parallelism (``sequence_parallel_size``): Ulysses over packed pair rows, checked against one process.
+
+The launches run real processes (torchrun, gloo on CPU; tests/sp_worker.py): one of 2 ranks (one group of 2) for the
+model-level float64 comparison, the 3-step training run and its resume; one of 4 ranks (2 groups of 2) for the
+training run against DP=1. The DP=1 runs are in this process. The host-side pieces (the row's slices, the checks)
+are tested in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from pair_dpo_trainer.collators.packed import PackedPairCollator
+from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
+from pair_dpo_trainer.modeling.sequence_parallel import head_problems
+from pair_dpo_trainer.parallel.sequence import sequence_parallel_problems
+from tests.dpo_fixtures import cpu_config, synthetic_pairs
+from tests.launch import torchrun
+from tests.models import tiny_llama, tiny_tokenizer
+from tests.ports import free_port
+from tests.sp_worker import BUDGET, STEPS, long_pairs, train_options
+
+# ---------------------------------------------------------------- host side (no process group)
+
+
+@pytest.mark.parametrize("share_prompt", [True, False])
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_slices_of_a_row_cover_it_once_and_split_its_scored_tokens(share_prompt, size):
+    features = synthetic_pairs(4, seed=5)
+    whole = PackedPairCollator(share_prompt=share_prompt, score_chosen_prompts=True)(features)
+    shards = [
+        PackedPairCollator(share_prompt=share_prompt, score_chosen_prompts=True, sequence_shard=(r, size))(features)
+        for r in range(size)
+    ]
+    length = shards[0].num_tokens
+    assert length % size == 0 and length - whole.num_tokens < size  # padded to the group, by less than its size
+    spans = [(b.sequence_shard.start, b.sequence_shard.end) for b in shards]
+    assert spans == [(r * length // size, (r + 1) * length // size) for r in range(size)]
+    scored = torch.cat([b.completion_positions.index_select(0, b.sequence_shard.completion_index) for b in shards])
+    assert torch.equal(scored.sort().values, whole.completion_positions.sort().values)  # every scored token once
+    for batch in shards:
+        start, end = batch.sequence_shard.start, batch.sequence_shard.end
+        local = batch.completion_positions.index_select(0, batch.sequence_shard.completion_index)
+        assert bool(((local >= start) & (local < end)).all())
+        prompts = batch.prompt_positions.index_select(0, batch.sequence_shard.prompt_index)
+        assert bool(((prompts >= start) & (prompts < end)).all())
+    assert sum(b.sequence_shard.prompt_index.numel() for b in shards) == whole.prompt_positions.numel()
+    assert sum(b.num_real_tokens for b in shards) == whole.num_real_tokens  # FLOPs and throughput count once
+    assert sum(b.num_unshared_tokens for b in shards) == whole.num_unshared_tokens
+    assert [b.counts_pairs for b in shards] == [True] + [False] * (size - 1)
+
+
+def test_a_padded_budget_row_must_split_evenly_over_the_group():
+    with pytest.raises(ValueError, match="multiple of the group size 2"):
+        PackedPairCollator(pad_to_length=41, sequence_shard=(0, 2))
+    batch = PackedPairCollator(pad_to_length=40, sequence_shard=(1, 2))(synthetic_pairs(1))
+    assert (batch.num_tokens, batch.sequence_shard.start) == (40, 20)
+
+
+def test_heads_that_do_not_split_over_the_group_are_refused_naming_the_counts():
+    assert head_problems(32, 8, 8) == [] and head_problems(32, 2, 8) == []  # 2 key/value heads, each copied 4 times
+    [(code, message)] = head_problems(12, 4, 8)
+    assert code == "sequence_parallel_heads" and "12 query heads and 4 key/value heads" in message
+    assert head_problems(32, 3, 8)[0][0] == "sequence_parallel_heads"
+
+
+def test_what_sequence_parallelism_cannot_combine_with_is_refused():
+    problems = sequence_parallel_problems(2, world_size=3, fsdp=True, checkpointing_mode="auto", process_group=True)
+    assert [code for code, _ in problems] == [
+        "sequence_parallel_world",
+        "sequence_parallel_unsupported",
+        "sequence_parallel_unsupported",
+    ]
+    assert "multiple of 2 processes, got 3" in problems[0][1]
+    assert sequence_parallel_problems(2, world_size=4, fsdp=False, checkpointing_mode="off", process_group=True) == []
+    assert sequence_parallel_problems(1, world_size=1, fsdp=True, checkpointing_mode="auto", process_group=False) == []
+
+
+def test_bad_sizes_and_accelerates_parallelism_config_are_refused_when_the_config_is_built(tmp_path):
+    with pytest.raises(ConfigError) as caught:
+        cpu_config(tmp_path, sequence_parallel_size=0)
+    assert caught.value.reason_code == "bad_sequence_parallel_size"
+    from accelerate.parallelism_config import ParallelismConfig
+
+    with pytest.raises(ConfigError, match="sequence_parallel_size=N") as caught:
+        cpu_config(tmp_path, parallelism_config=ParallelismConfig(sp_size=1))
+    assert caught.value.reason_code == "unsupported_combination"
+
+
+def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path):
+    """The long pair of the launches below (50 tokens shared) against one rank's budget: refused before training."""
+    from pair_dpo_trainer import PairDPOTrainer
+
+    options = train_options(tmp_path / "one", 1)
+    with pytest.raises(PreferenceRowError) as caught:
+        PairDPOTrainer(
+            model=tiny_llama(0),
+            args=cpu_config(tmp_path, **options),
+            train_dataset=long_pairs(24),
+            processing_class=tiny_tokenizer(),
+        )
+    assert caught.value.reason_code == "pair_too_long"
+
+
+# ---------------------------------------------------------------- real processes
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp2")
+    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,train,resume"))
+    return out, proc.stdout
+
+
+@pytest.fixture(scope="module")
+def dp1(tmp_path_factory):
+    """The same training run in one process, its row budget the group's (2 x BUDGET tokens)."""
+    from pair_dpo_trainer import PairDPOTrainer
+    from tests.dist_worker import FirstStepGradients
+
+    out = tmp_path_factory.mktemp("dp1")
+    options = train_options(out / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=cpu_config(out, **options), train_dataset=long_pairs(24),
+        processing_class=tiny_tokenizer(),
+    )  # fmt: skip
+    recorder = FirstStepGradients()
+    trainer.add_callback(recorder)
+    trainer.train()
+    from tests.sp_worker import record
+
+    return record(trainer, recorder)
+
+
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-12)) for n in b)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["kv2_shared", "kv2_unshared", "kv1_shared", "kv1_unshared"])
+def test_two_ranks_give_the_log_probs_and_gradients_of_one_in_float64(two_ranks, case):
+    """Per-sequence log-probs (LD-weighted and plain), the chosen prompts' NLL sums and counts, the token statistics
+    and every parameter's gradient of a group of 2 equal the model run whole (float64); with 2 key/value heads (one
+    per rank) and with 1 (copied to both ranks)."""
+    out, _ = two_ranks
+    result = json.loads((out / "model.json").read_text())[case]
+    assert result["grad_norm"] > 1.0  # the loss reaches every parameter: the comparison is not of zeros
+    for name in ("logps", "nll_logps", "prompt_logps", "prompt_token_counts", "token_stats", "grads"):
+        assert result[name] <= 1e-12, (name, result)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_three_adamw_steps_of_a_group_of_two_equal_one_process(two_ranks, dp1):
+    """Parameters, losses (step 0 is ln 2 exactly: the group's loss counts each pair once), the first step's
+    gradients and the micro-batch plan of a group of 2 (each rank holding half of every row, the long pair
+    included) equal one process with the group's row budget, within fp32 noise."""
+    out, stdout = two_ranks
+    group = torch.load(out / "train.pt")
+    assert group["microbatch_counts"] == dp1["microbatch_counts"]
+    assert len(group["losses"]) == STEPS and group["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert group["losses"] == pytest.approx(dp1["losses"], rel=1e-5)
+    assert _rel(group["grads"], dp1["grads"]) < 1e-4
+    assert _rel(group["params"], dp1["params"]) < 1e-4
+    summary = "world_size=2 = 1 data-parallel x 2 sequence-parallel | 4 pairs/step (4 per group in rows of <= 80"
+    assert summary in stdout
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_resumed_group_equals_the_uninterrupted_run(two_ranks):
+    out, _ = two_ranks
+    resumed, whole = torch.load(out / "resume.pt"), torch.load(out / "train.pt")
+    assert _rel(resumed["params"], whole["params"]) == 0.0
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sp2dp2")
+    torchrun("sp_worker.py", out, port=free_port(), nproc=4, args=("2", "train"))
+    return torch.load(out / "train.pt")
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_groups_of_two_equal_one_process_over_the_same_eight_pairs_per_step(four_ranks, tmp_path):
+    """4 ranks = 2 data-parallel groups x 2 sequence-parallel ranks, 4 pairs per group per step, against one process
+    with the 8 pairs of each step (its row budget the group's): the same gradients, losses and parameters (DDP's
+    mean over 4 ranks of 2 groups' shares is the mean over the step's pairs)."""
+    from pair_dpo_trainer import PairDPOTrainer
+    from tests.dist_worker import FirstStepGradients
+    from tests.sp_worker import record
+
+    options = train_options(tmp_path / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
+    options["per_device_train_batch_size"] = 8
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=cpu_config(tmp_path, **options), train_dataset=long_pairs(24),
+        processing_class=tiny_tokenizer(),
+    )  # fmt: skip
+    recorder = FirstStepGradients()
+    trainer.add_callback(recorder)
+    trainer.train()
+    one = record(trainer, recorder)
+    assert four_ranks["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert four_ranks["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert _rel(four_ranks["grads"], one["grads"]) < 1e-4
+    assert _rel(four_ranks["params"], one["params"]) < 1e-4
