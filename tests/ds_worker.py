@@ -27,6 +27,9 @@ runs without DeepSpeed):
       policy loaded partitioned, the reference loaded whole, one step); then rank 0 changes the snapshot's weights
       (metadata rewritten consistently) and the resume from checkpoint-2 is refused with ``reference_changed`` on
       every rank.
+  sequence_parallel: the two ranks one sequence-parallel group (``sequence_parallel_size=2``) on tests/sp_worker.py's
+      pairs, one of them longer than one rank's budget: losses, parameters and an eval as one process without
+      DeepSpeed.
 """
 
 from __future__ import annotations
@@ -214,6 +217,23 @@ def run_budget(out_dir: Path, world_size: int = 2) -> dict[str, Any]:
     }
 
 
+def run_sequence_parallel(out_dir: Path) -> dict[str, Any]:
+    """``sequence_parallel_size=2``: the two ranks hold each row together under ZeRO-3 (tests/sp_worker.py's run:
+    a pair longer than one rank's budget included), then an eval by the same budget."""
+    from tests.sp_worker import STEPS as SP_STEPS
+    from tests.sp_worker import long_pairs, train_options
+
+    options = train_options(out_dir / "sp", 2, save_strategy="no")
+    trainer = build_trainer(out_dir / "sp", world_size=2, pairs=long_pairs(24), **options)
+    trainer.train()
+    return {
+        "losses": losses(trainer),
+        "params": full_parameters(trainer.model),
+        "microbatch_counts": trainer._train_sampler.microbatch_counts()[:SP_STEPS],
+        "eval": trainer.evaluate(eval_dataset=synthetic_pairs(EVAL_PAIRS, seed=9)),
+    }
+
+
 def run_resumed(out_dir: Path, name: str, **kwargs: Any) -> dict[str, Any]:
     trainer = build_trainer(out_dir / name, world_size=2, **kwargs)
     trainer.train(resume_from_checkpoint=str(out_dir / "std" / "checkpoint-3"))
@@ -279,6 +299,7 @@ def main() -> None:
     timed("pinned", run_pinned, out_dir, rank)
     timed("compile", run_compile_refused, out_dir)
     timed("peft", run_peft, out_dir)
+    timed("sequence_parallel", run_sequence_parallel, out_dir)
     replicated = {k: v for k, v in results["replicated"].items() if k != "params"}
     per_rank = {k: results[k] for k in ("tamper", "disagree", "disagree_pre", "pinned", "compile")}
     per_rank["replicated"] = replicated

@@ -8,7 +8,8 @@ Phases (rank 0 writes each result under OUT_DIR; the test compares them with one
       heads divide among the ranks and one with a single key/value head (copied per rank); prompts' NLL positions
       (ORPO) and LD-DPO token weights on the way.
   train: 3 AdamW steps of the trainer under a token budget with a pair longer than one rank's budget (it fits the
-      group's row); saves a checkpoint at step 2; parameters, losses and the first step's gradients.
+      group's row); saves a checkpoint at step 2; parameters, losses and the first step's gradients; then an eval
+      over EVAL_PAIRS pairs by the same budget.
   resume: resumes the train phase's checkpoint-2 and trains step 3: parameters to compare with the train phase.
 """
 
@@ -30,6 +31,8 @@ BUDGET = 40
 """Tokens per rank per micro-batch in the train phase: the long pair (50 tokens shared, 80 unshared) needs two
 ranks."""
 STEPS = 3
+EVAL_PAIRS = 13
+"""An odd number of eval pairs: a group of 2 data-parallel groups gets a weight-0 filler."""
 
 
 def long_pairs(n: int) -> list[dict[str, list[int]]]:
@@ -131,6 +134,27 @@ def record(trainer, recorder) -> dict:
     }
 
 
+def one_process(out: Path, *, pairs_per_step: int, eval_pairs=None) -> dict:
+    """The train phase's run in this process without groups, ``pairs_per_step`` pairs per step in rows of the
+    group's budget (2 x BUDGET tokens); with ``eval_pairs``, then an eval by the same budget."""
+    from pair_dpo_trainer import PairDPOTrainer
+    from tests.dist_worker import FirstStepGradients
+
+    options = train_options(out / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
+    options["per_device_train_batch_size"] = pairs_per_step
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=cpu_config(out, **options), train_dataset=long_pairs(24),
+        processing_class=tiny_tokenizer(),
+    )  # fmt: skip
+    recorder = FirstStepGradients()
+    trainer.add_callback(recorder)
+    trainer.train()
+    result = record(trainer, recorder)
+    if eval_pairs is not None:
+        result["eval"] = trainer.evaluate(eval_dataset=eval_pairs)
+    return result
+
+
 def train_phase(out: Path, size: int, rank: int, *, resume: bool = False) -> None:
     from pair_dpo_trainer import PairDPOTrainer
     from tests.dist_worker import FirstStepGradients
@@ -143,8 +167,11 @@ def train_phase(out: Path, size: int, rank: int, *, resume: bool = False) -> Non
     recorder = FirstStepGradients()
     trainer.add_callback(recorder)
     trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2") if resume else None)
+    result = record(trainer, recorder)
+    if not resume:
+        result["eval"] = trainer.evaluate(eval_dataset=synthetic_pairs(EVAL_PAIRS, seed=9))
     if rank == 0:
-        torch.save(record(trainer, recorder), out / ("resume.pt" if resume else "train.pt"))
+        torch.save(result, out / ("resume.pt" if resume else "train.pt"))
 
 
 def main() -> None:

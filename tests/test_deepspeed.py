@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from pair_dpo_trainer.integrity import parameter_digest
+from tests.dpo_fixtures import synthetic_pairs
 from tests.ds_worker import STEPS, build_trainer, losses, run_budget
 from tests.launch import accelerate_launch
 from tests.models import tiny_lora_llama
@@ -117,6 +118,24 @@ def test_token_budget_under_zero3_matches_dp1_and_steps_the_engine_once_per_step
         assert _max_diff(budget["params"], reference["params"]) < 1e-4  # Adam-amplified reduction-order noise
     for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
         assert budget["eval"][key] == pytest.approx(dp1["budget"]["eval"][key], abs=1e-4), key
+
+
+def test_sequence_parallel_group_under_zero3_matches_one_process(zero3, tmp_path):
+    """The two ranks as one sequence-parallel group (each computes half of every row; a pair longer than one rank's
+    budget included) under ZeRO-3: losses, parameters and eval of one process without DeepSpeed (tests/sp_worker.py's
+    run)."""
+    from tests.sp_worker import EVAL_PAIRS as SP_EVAL_PAIRS
+    from tests.sp_worker import one_process
+
+    results, _ = zero3
+    group = results["sequence_parallel"]
+    one = one_process(tmp_path, pairs_per_step=4, eval_pairs=synthetic_pairs(SP_EVAL_PAIRS, seed=9))
+    assert group["microbatch_counts"] == one["microbatch_counts"]
+    assert group["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert group["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    assert _max_diff(group["params"], one["params"]) < 1e-4
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert group["eval"][key] == pytest.approx(one["eval"][key], abs=1e-5), key
 
 
 def test_both_models_are_partitioned_the_reference_is_frozen_and_unchanged(zero3):

@@ -22,7 +22,7 @@ from tests.dpo_fixtures import cpu_config, synthetic_pairs
 from tests.launch import torchrun
 from tests.models import tiny_llama, tiny_tokenizer
 from tests.ports import free_port
-from tests.sp_worker import BUDGET, STEPS, long_pairs, train_options
+from tests.sp_worker import EVAL_PAIRS, STEPS, long_pairs, one_process, train_options
 
 # ---------------------------------------------------------------- host side (no process group)
 
@@ -119,21 +119,7 @@ def two_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def dp1(tmp_path_factory):
     """The same training run in one process, its row budget the group's (2 x BUDGET tokens)."""
-    from pair_dpo_trainer import PairDPOTrainer
-    from tests.dist_worker import FirstStepGradients
-
-    out = tmp_path_factory.mktemp("dp1")
-    options = train_options(out / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
-    trainer = PairDPOTrainer(
-        model=tiny_llama(0), args=cpu_config(out, **options), train_dataset=long_pairs(24),
-        processing_class=tiny_tokenizer(),
-    )  # fmt: skip
-    recorder = FirstStepGradients()
-    trainer.add_callback(recorder)
-    trainer.train()
-    from tests.sp_worker import record
-
-    return record(trainer, recorder)
+    return one_process(tmp_path_factory.mktemp("dp1"), pairs_per_step=4, eval_pairs=synthetic_pairs(EVAL_PAIRS, seed=9))
 
 
 def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -167,6 +153,8 @@ def test_three_adamw_steps_of_a_group_of_two_equal_one_process(two_ranks, dp1):
     assert group["losses"] == pytest.approx(dp1["losses"], rel=1e-5)
     assert _rel(group["grads"], dp1["grads"]) < 1e-4
     assert _rel(group["params"], dp1["params"]) < 1e-4
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert group["eval"][key] == pytest.approx(dp1["eval"][key], abs=1e-5), key
     summary = "world_size=2 = 1 data-parallel x 2 sequence-parallel | 4 pairs/step (4 per group in rows of <= 80"
     assert summary in stdout
 
@@ -190,23 +178,13 @@ def four_ranks(tmp_path_factory):
 @pytest.mark.slow
 def test_two_groups_of_two_equal_one_process_over_the_same_eight_pairs_per_step(four_ranks, tmp_path):
     """4 ranks = 2 data-parallel groups x 2 sequence-parallel ranks, 4 pairs per group per step, against one process
-    with the 8 pairs of each step (its row budget the group's): the same gradients, losses and parameters (DDP's
-    mean over 4 ranks of 2 groups' shares is the mean over the step's pairs)."""
-    from pair_dpo_trainer import PairDPOTrainer
-    from tests.dist_worker import FirstStepGradients
-    from tests.sp_worker import record
-
-    options = train_options(tmp_path / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
-    options["per_device_train_batch_size"] = 8
-    trainer = PairDPOTrainer(
-        model=tiny_llama(0), args=cpu_config(tmp_path, **options), train_dataset=long_pairs(24),
-        processing_class=tiny_tokenizer(),
-    )  # fmt: skip
-    recorder = FirstStepGradients()
-    trainer.add_callback(recorder)
-    trainer.train()
-    one = record(trainer, recorder)
+    with the 8 pairs of each step (its row budget the group's): the same gradients, losses, parameters and eval (DDP's
+    mean over 4 ranks of 2 groups' shares is the mean over the step's pairs; the eval's 13 pairs split over 2
+    groups)."""
+    one = one_process(tmp_path, pairs_per_step=8, eval_pairs=synthetic_pairs(EVAL_PAIRS, seed=9))
     assert four_ranks["losses"][0] == pytest.approx(math.log(2), abs=1e-6)
     assert four_ranks["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert _rel(four_ranks["grads"], one["grads"]) < 1e-4
     assert _rel(four_ranks["params"], one["params"]) < 1e-4
+    for key in ("eval_loss", "eval_rewards/margins", "eval_logps/chosen"):
+        assert four_ranks["eval"][key] == pytest.approx(one["eval"][key], abs=1e-5), key
