@@ -7,6 +7,7 @@ Phases (rank 0 writes each result under OUT_DIR; the test compares them with one
       run whole on each rank (no collective), for the shared-prompt and unshared layouts, a model whose key/value
       heads divide among the ranks and one with a single key/value head (copied per rank); prompts' NLL positions
       (ORPO) and LD-DPO token weights on the way.
+  compiled: the group's decoder layers compiled (fullgraph, dynamic): eager log-probs and gradients, one graph.
   train: 3 AdamW steps of the trainer under a token budget with a pair longer than one rank's budget (it fits the
       group's row); saves a checkpoint at step 2; parameters, losses and the first step's gradients; then an eval
       over EVAL_PAIRS pairs by the same budget.
@@ -73,6 +74,53 @@ def model_phase(out: Path, size: int, rank: int) -> None:
             results[key] = compare(whole, parallel, full, sharded, weights, packed_policy_logps)
     if rank == 0:
         (out / "model.json").write_text(json.dumps(results))
+
+
+def compiled_phase(out: Path, size: int, rank: int) -> None:
+    """The group's decoder layers compiled (``fullgraph``, dynamic shapes, aot_eager; the traceable CPU varlen kernel)
+    on 3 batches of different lengths: the log-probs and gradients of the eager whole model, one graph, no break."""
+    import pytest
+    from torch._dynamo.utils import counters
+
+    from pair_dpo_trainer.collators.packed import PackedPairCollator
+    from pair_dpo_trainer.modeling.attention import enable_pair_varlen
+    from pair_dpo_trainer.modeling.compile import compile_decoder_layers
+    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
+    from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
+    from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel
+
+    with pytest.MonkeyPatch.context() as patch:
+        backend = install_traceable_varlen(patch)
+        whole = tiny_llama(0)
+        enable_pair_varlen(whole, backend, device="cpu")
+        parallel = copy.deepcopy(whole)
+        apply_sequence_parallel(parallel, size)
+        compiled = compile_decoder_layers(parallel, backend="aot_eager", fullgraph=True)
+        diffs = []
+        for seed in (3, 4, 5):
+            features = synthetic_pairs(4, seed=seed)
+            results = []
+            for model, shard in ((whole, None), (parallel, (rank, size))):
+                model.zero_grad()
+                batch = PackedPairCollator(share_prompt=True, sequence_shard=shard)(features)
+                logps = packed_sequence_logps(model, batch)
+                (logps * torch.arange(1.0, logps.numel() + 1)).sum().backward()
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+                results.append((logps.detach(), grads))
+            (want, want_grads), (got, got_grads) = results
+            for grad in got_grads.values():
+                dist.all_reduce(grad)
+                grad /= dist.get_world_size()
+            diffs.append(
+                max(
+                    float((got - want).abs().max()),
+                    *(float((got_grads[n] - g).abs().max()) for n, g in want_grads.items()),
+                )
+            )
+    if rank == 0:
+        stats = {"compiled": compiled, "diffs": diffs, "graphs": counters["stats"]["unique_graphs"]}
+        stats["breaks"] = sum(counters["graph_break"].values())
+        (out / "compiled.json").write_text(json.dumps(stats))
 
 
 def compare(whole, parallel, full, sharded, weights, packed_policy_logps) -> dict:
@@ -184,6 +232,8 @@ def main() -> None:
         for phase in phases:
             if phase == "model":
                 model_phase(out, size, rank % size)
+            elif phase == "compiled":
+                compiled_phase(out, size, rank % size)
             elif phase == "train":
                 train_phase(out, size, rank)
             elif phase == "resume":

@@ -112,7 +112,7 @@ def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2")
-    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,train,resume"))
+    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume"))
     return out, proc.stdout
 
 
@@ -138,6 +138,18 @@ def test_two_ranks_give_the_log_probs_and_gradients_of_one_in_float64(two_ranks,
     assert result["grad_norm"] > 1.0  # the loss reaches every parameter: the comparison is not of zeros
     for name in ("logps", "nll_logps", "prompt_logps", "prompt_token_counts", "token_stats", "grads"):
         assert result[name] <= 1e-12, (name, result)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_compiled_layers_of_a_group_trace_the_all_to_alls_in_one_graph_and_match_eager(two_ranks):
+    """``torch_compile``'s regional compile (fullgraph, dynamic shapes) of a group's decoder layers: the all-to-alls
+    trace (no graph break: fullgraph would raise), one graph serves 3 rows of different lengths, and the log-probs and
+    gradients equal the eager whole model's (float32)."""
+    out, _ = two_ranks
+    result = json.loads((out / "compiled.json").read_text())
+    assert result["compiled"] == 2 and result["graphs"] == 1 and result["breaks"] == 0
+    assert max(result["diffs"]) < 1e-4, result
 
 
 @pytest.mark.distributed
