@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options

@@ -21,7 +21,7 @@ from pair_dpo_trainer.errors import ConfigError, Problem
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 if TYPE_CHECKING:
-    from pair_dpo_trainer.collators.packed import PackedPairBatch
+    from pair_dpo_trainer.collators.batch import PackedPairBatch
 
 logger = logging.getLogger(__name__)
 

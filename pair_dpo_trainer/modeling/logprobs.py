@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from pair_dpo_trainer.collators.packed import IGNORE_INDEX, PackedPairBatch, split_pairs
+from pair_dpo_trainer.collators.batch import IGNORE_INDEX, PackedPairBatch, split_pairs
 from pair_dpo_trainer.collators.padded import PaddedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import PAIR_VARLEN, packed_forward_kwargs
@@ -483,7 +483,7 @@ def packed_sequence_logps(
 
     Returns:
         ``[2n]`` float32 log-probs in sequence order (chosen, rejected, chosen, ...); see
-        :func:`~pair_dpo_trainer.collators.packed.split_pairs`.
+        :func:`~pair_dpo_trainer.collators.batch.split_pairs`.
 
     Raises:
         ConfigError: see :func:`check_supported_head` and :func:`packed_hidden_states`.

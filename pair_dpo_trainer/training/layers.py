@@ -15,7 +15,8 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import TrainerCallback
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pair_dpo_trainer.collators.packed import split_pairs
+from pair_dpo_trainer.collators.batch import split_pairs
 from pair_dpo_trainer.losses import PairLogps
 
 METRIC_NAMES = (

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.losses.aot import sort_matched
 from pair_dpo_trainer.losses.base import AotMatch, PairLogps, StepContext
 from pair_dpo_trainer.losses.objective import Objective
