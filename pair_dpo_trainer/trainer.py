@@ -41,10 +41,11 @@ from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.losses.length_weights import with_length_desensitization
 from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen, resolve_share_prompt
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
-from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
 from pair_dpo_trainer.parallel.fsdp2 import (

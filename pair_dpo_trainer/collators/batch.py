@@ -118,7 +118,7 @@ class PackedPairBatch(_TensorDataclass):
             the features carry ``ref_chosen_logps`` / ``ref_rejected_logps`` (``precompute_ref_log_probs``), else None.
             Kept float32 on the way to the device (the trainer moves the batch with ``.to(device)`` only).
         token_weights: ``[N]`` float64 per-scored-token weights of the summed log-probs (LD-DPO, set by the trainer
-            with :func:`pair_dpo_trainer.modeling.logprobs.with_length_desensitization`), else None (all 1).
+            with :func:`pair_dpo_trainer.losses.length_weights.with_length_desensitization`), else None (all 1).
         step_context: The :class:`~pair_dpo_trainer.losses.StepContext` the trainer attaches before an optimizer
             step (quantities of the whole step for step-level objectives), else None.
         num_pad_tokens: Tokens of the trailing pad segment (0 without one).

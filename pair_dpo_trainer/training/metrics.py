@@ -31,7 +31,7 @@ METRIC_NAMES = (
 """Pair-weighted means, in the order of the device sums."""
 
 TOKEN_METRIC_NAMES = ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
-"""Token-weighted means from the per-token statistics of the policy pass (``modeling.logprobs.TOKEN_STATS``)."""
+"""Token-weighted means from the per-token statistics of the policy pass (``modeling.chunked_head.TOKEN_STATS``)."""
 
 
 def _token_sums(logps: PairLogps, token_stats: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ import torch
 
 from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.losses import LossParams, Objective, StepContext
-from pair_dpo_trainer.modeling.logprobs import length_desensitized_weights, sequence_logps_from_tokens
+from pair_dpo_trainer.losses.length_weights import length_desensitized_weights
+from pair_dpo_trainer.modeling.logprobs import sequence_logps_from_tokens
 from pair_dpo_trainer.trainer import pair_logps_from_sequences
 from pair_dpo_trainer.training.metrics import PairMetrics
 
