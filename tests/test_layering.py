@@ -23,6 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("trainer",),
     ("cli",),
     ("training",),
+    ("observability",),
     ("fault_tolerance",),
     ("reference",),
     ("parallel",),

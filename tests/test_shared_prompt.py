@@ -260,7 +260,7 @@ def test_a_bad_share_prompt_value_is_refused(tmp_path) -> None:
 
 
 def test_the_run_summary_names_the_layout(tmp_path) -> None:
-    from pair_dpo_trainer.training.summary import run_summary
+    from pair_dpo_trainer.observability.summary import run_summary
     from tests.dpo_fixtures import cpu_config
 
     args = cpu_config(tmp_path)

@@ -3,7 +3,7 @@
 ``update`` adds weighted sums into one small device tensor (no host sync); ``reduce`` sums it over ranks and moves it
 to the host once per logging event. Names are TRL 1.16's where the quantity is the same (docs/losses.md lists them):
 
-Details: training/README.md, "Module notes", ``metrics.py``.
+Details: observability/README.md, "Module notes", ``metrics.py``.
 """
 
 from __future__ import annotations
