@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pair_dpo_trainer.collators.batch import split_pairs
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.parallel.collectives import all_reduce_if_distributed
 
 METRIC_NAMES = (
     "loss",
@@ -117,8 +117,7 @@ class PairMetrics:
             [self._packed_tokens, self._tokens, self._pairs, self._unfolded_tokens], dtype=torch.float64
         )
         packed = torch.cat([sums.to(device), counters.to(device)])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed)
+        all_reduce_if_distributed(packed)
         values = packed.cpu().tolist()
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         pairs_width = len(self.pair_names)
@@ -144,8 +143,7 @@ class PairMetrics:
         """Adds the tokens since the last log (all ranks) to ``totals.num_input_tokens_seen`` without logging, so a
         checkpoint's ``trainer_state.json`` holds the exact count. A collective: call on every rank."""
         pending = torch.tensor([float(self._unfolded_tokens)], dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(pending)
+        all_reduce_if_distributed(pending)
         totals.num_input_tokens_seen += int(round(pending.item()))
         self._unfolded_tokens = 0
 
