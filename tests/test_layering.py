@@ -20,6 +20,7 @@ PACKAGE = ROOT / "pair_dpo_trainer"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__",),  # the public facade: PairDPOConfig and PairDPOTrainer, imported lazily
+    ("testing",),  # helpers for tests only: no layer imports them
     ("trainer",),
     ("cli",),
     ("training",),

@@ -17,8 +17,8 @@ from pair_dpo_trainer.losses.base import LossParams, StepContext
 from pair_dpo_trainer.losses.length_weights import with_length_desensitization
 from pair_dpo_trainer.modeling import enable_pair_varlen
 from pair_dpo_trainer.modeling.attention import varlen_attention
-from pair_dpo_trainer.modeling.cpu_varlen import block_mask_varlen_attn, install_traceable_varlen
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, packed_sequence_logps
+from pair_dpo_trainer.testing.cpu_varlen import block_mask_varlen_attn, install_traceable_varlen
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from tests.models import EOS, VOCAB, tiny_llama
 
