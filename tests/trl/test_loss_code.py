@@ -5,7 +5,7 @@ per-token quantities (what TRL's fused LM head returns: ``log_probs``, ``entropy
 ``log_sum_sq_probs``), so no TRL training runs. Our side gets the same per-token values in packed order and goes
 through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs.sequence_logps_from_tokens` (LD-DPO
 weights
-from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the
+from :func:`~pair_dpo_trainer.losses.length_weights.length_desensitized_weights`), ``pair_logps_from_sequences``, the
 objective
 and :class:`~pair_dpo_trainer.observability.metrics.PairMetrics`. SimPO is compared with TRL's experimental
 ``CPOTrainer.cpo_loss``; ORPO's whole loss (NLL and odds ratio) and its gradient with TRL's experimental
