@@ -28,7 +28,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoTokenizer, PreTrainedModel, Trainer
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
@@ -40,11 +41,21 @@ from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.losses.length_weights import with_length_desensitization
 from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen, resolve_share_prompt
 from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
-from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, with_length_desensitization
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
+from pair_dpo_trainer.observability.flops import flops_per_token_per_parameter, non_embedding_parameters
+from pair_dpo_trainer.observability.metrics import PairMetrics
+from pair_dpo_trainer.observability.summary import (
+    RunFacts,
+    announce_node,
+    announce_run,
+    first_step_layout,
+    precision_summary,
+)
 from pair_dpo_trainer.parallel.agreement import assert_ranks_agree
 from pair_dpo_trainer.parallel.fsdp2 import (
     check_evaluable,
@@ -63,7 +74,6 @@ from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
-from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
 from pair_dpo_trainer.training.loading import (
     PairDataLoader,
@@ -72,7 +82,6 @@ from pair_dpo_trainer.training.loading import (
     tokenized_pairs,
     with_peft,
 )
-from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
@@ -83,13 +92,6 @@ from pair_dpo_trainer.training.resume_settings import (
     resume_settings,
 )
 from pair_dpo_trainer.training.schedule import train_sampler
-from pair_dpo_trainer.training.summary import (
-    RunFacts,
-    announce_node,
-    announce_run,
-    first_step_layout,
-    precision_summary,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -285,7 +287,7 @@ class PairDPOTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, **kwargs)
 
     def _run_facts(self) -> RunFacts:
-        """What the run summary reports besides the config (``training.summary``)."""
+        """What the run summary reports besides the config (``observability.summary``)."""
         parameter = next(self.model.parameters(), None)
         precision = precision_summary(
             str(self.accelerator.mixed_precision),

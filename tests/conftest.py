@@ -50,7 +50,7 @@ def _private_pairs_cache(tmp_path_factory, monkeypatch):
 def _eager_head_kernels():
     """``torch_compile=True`` compiles the chunked head's element-wise work process-wide; each test starts eager."""
     yield
-    from pair_dpo_trainer.modeling.logprobs import eager_head_kernels
+    from pair_dpo_trainer.modeling.chunked_head import eager_head_kernels
 
     eager_head_kernels()
 

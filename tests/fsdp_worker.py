@@ -219,9 +219,9 @@ def run_full_state(out_dir: Path) -> dict[str, Any]:
 
 def run_compile(out_dir: Path) -> dict[str, Any]:
     """Regional compile (aot_eager) under FSDP2 against the same run in eager mode, both with a traceable varlen
-    kernel standing in for the CUDA one (``modeling.cpu_varlen.install_traceable_varlen``)."""
+    kernel standing in for the CUDA one (``testing.cpu_varlen.install_traceable_varlen``)."""
     from pair_dpo_trainer.modeling.compile import is_compiled
-    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
+    from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 
     patch = _Patch()
     backend = install_traceable_varlen(patch)

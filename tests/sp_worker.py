@@ -49,8 +49,9 @@ def long_pairs(n: int) -> list[dict[str, list[int]]]:
 
 def model_phase(out: Path, size: int, rank: int) -> None:
     from pair_dpo_trainer.collators.packed import PackedPairCollator
+    from pair_dpo_trainer.losses.length_weights import length_desensitized_weights
     from pair_dpo_trainer.modeling.attention import enable_pair_varlen
-    from pair_dpo_trainer.modeling.logprobs import length_desensitized_weights, packed_policy_logps
+    from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
     from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel
 
     results = {}
@@ -85,9 +86,9 @@ def compiled_phase(out: Path, size: int, rank: int) -> None:
     from pair_dpo_trainer.collators.packed import PackedPairCollator
     from pair_dpo_trainer.modeling.attention import enable_pair_varlen
     from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
     from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
     from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel
+    from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 
     with pytest.MonkeyPatch.context() as patch:
         backend = install_traceable_varlen(patch)

@@ -44,6 +44,22 @@ def test_a_gloo_timeout_names_the_collective_its_caller_the_rank_and_ddp_timeout
     assert "the collective all_gather (called from transformers/trainer_pt_utils.py:distributed_concat)" in text
 
 
+def test_a_timeout_inside_the_guarded_all_reduce_names_the_caller_of_the_helper():
+    """The metrics' reduction goes through ``all_reduce_if_distributed``: the message names who asked for it."""
+    package = os.path.join(os.sep, "work", "pair_dpo_trainer")
+    exc = _raise_through(
+        [
+            (os.path.join(package, "observability", "metrics.py"), "reduce"),
+            (os.path.join(package, "parallel", "collectives.py"), "all_reduce_if_distributed"),
+            (os.path.join(SITE, "torch", "distributed", "c10d_logger.py"), "wrapper"),
+            (os.path.join(SITE, "torch", "distributed", "distributed_c10d.py"), "all_reduce"),
+        ],
+        "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
+    )
+    text = str(collective_failure(exc, timeout_s=20, rank=1))
+    assert "the collective all_reduce (called from pair_dpo_trainer/observability/metrics.py:reduce)" in text
+
+
 def test_a_closed_connection_is_peer_lost_and_an_unrelated_timeout_is_left_alone():
     lost = _raise_through(
         [(os.path.join(SITE, "torch", "distributed", "distributed_c10d.py"), "barrier")],

@@ -1,7 +1,7 @@
 """Regional ``torch.compile`` of the decoder layers (``pair_dpo_trainer.modeling.compile``).
 
 On CPU the CUDA varlen kernels do not run, so the traceable tests swap a block-mask SDPA in as the ``torch_varlen``
-kernel (``modeling.cpu_varlen.install_traceable_varlen``: same signature, same semantics): everything else, the
+kernel (``testing.cpu_varlen.install_traceable_varlen``: same signature, same semantics): everything else, the
 attention
 function included, is the product's code.
 """
@@ -17,8 +17,8 @@ from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers, decoder_layers, is_compiled
-from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
+from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import cpu_config, random_features, synthetic_pairs
 from tests.models import tiny_llama, tiny_tokenizer

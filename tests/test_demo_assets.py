@@ -17,8 +17,8 @@ from huggingface_hub._local_folder import read_download_metadata
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pair_dpo_trainer import demo
-from pair_dpo_trainer.demo import build as demo_assets
 from pair_dpo_trainer.demo import pairs as demo_pairs
+from tools import build_demo_assets as demo_assets
 
 ASSETS = demo.bundled_assets_dir()
 MODEL_DIR = demo.bundled_model_dir()
@@ -52,9 +52,7 @@ def rows() -> list[dict]:
 def test_regeneration_is_byte_identical(tmp_path):
     demo_assets.write_demo_assets(tmp_path)
     fresh, committed = _tree(tmp_path), _tree(ASSETS)
-    hint = (
-        "regenerate with python -m pair_dpo_trainer.demo.build; stage .cache with `git add -f` (its .gitignore is '*')"
-    )
+    hint = "regenerate with python -m tools.build_demo_assets; stage .cache with `git add -f` (its .gitignore is '*')"
     assert sorted(fresh) == sorted(committed), hint
     assert [rel for rel in fresh if fresh[rel] != committed[rel]] == [], hint
     # A second in-memory build (fresh model, fresh tokenizer) gives the same bytes again.

@@ -439,7 +439,7 @@ def test_identity_names_do_not_depend_on_activation_checkpointing_wrappers():
 
 
 def test_the_run_summary_names_fsdp2_and_the_reference_layout(tmp_path):
-    from pair_dpo_trainer.training.summary import run_summary
+    from pair_dpo_trainer.observability.summary import run_summary
     from tests.dpo_fixtures import cpu_config
 
     line = run_summary(cpu_config(tmp_path), attn_backend="sdpa_segments", source=None, fsdp2=True)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from pair_dpo_trainer.modeling.logprobs import chunked_token_logps, naive_token_stats
+from pair_dpo_trainer.modeling.chunked_head import chunked_token_logps, naive_token_stats
 from tests.test_gpu_packed import HEAD_SHAPE, _peak_fwd_bwd, head_inputs
 
 pytestmark = [

@@ -12,12 +12,8 @@ import torch
 
 from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.modeling import BACKENDS, enable_pair_varlen, select_attn_backend, varlen_attention
-from pair_dpo_trainer.modeling.logprobs import (
-    chunked_token_logps,
-    naive_token_logps,
-    packed_sequence_logps,
-    padded_sequence_logps,
-)
+from pair_dpo_trainer.modeling.chunked_head import chunked_token_logps, naive_token_logps
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps, padded_sequence_logps
 from tests.dpo_fixtures import random_features
 from tests.models import GPU_VOCAB, llama_100m
 

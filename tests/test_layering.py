@@ -20,9 +20,11 @@ PACKAGE = ROOT / "pair_dpo_trainer"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("__init__",),  # the public facade: PairDPOConfig and PairDPOTrainer, imported lazily
+    ("testing",),  # helpers for tests only: no layer imports them
     ("trainer",),
     ("cli",),
     ("training",),
+    ("observability",),
     ("fault_tolerance",),
     ("reference",),
     ("parallel",),

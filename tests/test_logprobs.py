@@ -17,18 +17,15 @@ from transformers import (
 
 from pair_dpo_trainer.collators import PackedPairCollator, PaddedPairCollator
 from pair_dpo_trainer.errors import ConfigError
+from pair_dpo_trainer.losses.length_weights import length_desensitized_weights, with_length_desensitization
 from pair_dpo_trainer.modeling import enable_pair_varlen
-from pair_dpo_trainer.modeling.logprobs import (
+from pair_dpo_trainer.modeling.chunked_head import (
     chunked_token_logps,
-    length_desensitized_weights,
     module_chunked_token_logps,
     naive_token_logps,
     naive_token_stats,
-    packed_policy_logps,
-    packed_sequence_logps,
-    padded_sequence_logps,
-    with_length_desensitization,
 )
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, packed_sequence_logps, padded_sequence_logps
 from tests.dpo_fixtures import random_features
 
 VOCAB = 101
@@ -179,7 +176,7 @@ def test_packed_logps_make_no_host_sync(monkeypatch: pytest.MonkeyPatch) -> None
         monkeypatch.setattr(torch.Tensor, name, forbidden)
     out = lp.packed_sequence_logps(model, batch, chunk_size=4)
     out.sum().backward()
-    policy = lp.packed_policy_logps(model, lp.with_length_desensitization(batch, 0.5), chunk_size=4)  # stats + LD
+    policy = lp.packed_policy_logps(model, with_length_desensitization(batch, 0.5), chunk_size=4)  # stats + LD
     policy.logps.sum().backward()
     monkeypatch.undo()
     assert out.shape == (4,) and policy.token_stats.shape == (4, 4)
@@ -319,7 +316,7 @@ def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeyp
     import pair_dpo_trainer.modeling.logprobs as lp
 
     collator = PackedPairCollator(share_prompt=share_prompt)
-    batch = lp.with_length_desensitization(collator(tiny_features(seed=4, n=3)), 0.5)
+    batch = with_length_desensitization(collator(tiny_features(seed=4, n=3)), 0.5)
     assert batch.completion_positions.unique().numel() < batch.completion_positions.numel() or not share_prompt
     results = []
     for in_forward in (False, True):
@@ -342,7 +339,7 @@ def test_fsdp2_in_forward_head_returns_the_same_statistics_and_gradients(monkeyp
 def test_the_compiled_head_kernels_compute_what_the_eager_ones_do():
     """``torch_compile=True`` fuses the chunked head's element-wise work (``compile_head_kernels``): the same
     log-probs, statistics and gradients as the eager kernels, which match the full-logits reference."""
-    from pair_dpo_trainer.modeling import logprobs as lp
+    from pair_dpo_trainer.modeling import chunked_head
 
     torch.manual_seed(0)
     weight = torch.randn(500, 24, requires_grad=True)
@@ -350,20 +347,22 @@ def test_the_compiled_head_kernels_compute_what_the_eager_ones_do():
     targets = torch.randint(0, 500, (200,))
 
     def run():
-        logps, stats = lp.chunked_token_logps(hidden, weight, targets, 64, with_stats=True)
+        logps, stats = chunked_head.chunked_token_logps(hidden, weight, targets, 64, with_stats=True)
         (logps * torch.linspace(0, 1, 200)).sum().backward()
         grads = hidden.grad.clone(), weight.grad.clone()
         hidden.grad = weight.grad = None
         return logps.detach(), stats, grads
 
     eager = run()
-    torch.testing.assert_close(eager[0], lp.naive_token_logps(hidden, weight, targets).detach(), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        eager[0], chunked_head.naive_token_logps(hidden, weight, targets).detach(), rtol=0, atol=1e-5
+    )
     try:
-        lp.compile_head_kernels("aot_eager")
-        assert lp._HEAD_KERNELS["stats"] is not lp._EAGER_HEAD_KERNELS["stats"]
+        chunked_head.compile_head_kernels("aot_eager")
+        assert chunked_head._HEAD_KERNELS["stats"] is not chunked_head._EAGER_HEAD_KERNELS["stats"]
         compiled = run()
     finally:
-        lp.eager_head_kernels()
+        chunked_head.eager_head_kernels()
     torch.testing.assert_close(compiled[0], eager[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(compiled[1], eager[1], rtol=0, atol=1e-4)
     for got, expected in zip(compiled[2], eager[2], strict=True):

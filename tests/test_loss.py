@@ -348,7 +348,7 @@ _SYNC_METHODS = ("item", "cpu", "tolist", "nonzero", "numpy", "__bool__", "__flo
 def test_objective_and_metrics_of_a_micro_batch_make_no_host_sync(loss_type, monkeypatch):
     """The loss half of the hot path (objective with WPO, BCO's pending sums, the eval step context, the metric
     sums) calls nothing that waits for the device; the log-prob half is tests/test_logprobs.py's."""
-    from pair_dpo_trainer.training.metrics import PairMetrics
+    from pair_dpo_trainer.observability.metrics import PairMetrics
     from pair_dpo_trainer.training.objective_state import RunningRewardMean
     from pair_dpo_trainer.training.step_context import StepContextBuilder
 

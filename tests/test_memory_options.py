@@ -312,7 +312,7 @@ def test_a_checkpointed_trainer_reports_the_mode_and_matches_the_plain_losses(tm
 def test_fp8_compiled_by_inductor_still_starts_at_ln2(tmp_path, monkeypatch):
     """The policy's training graph and the reference's inference graph round the float8 casts alike (without
     inductor's eager-precision casts they differ: 7.5e-5 from ln 2 here, 1.6e-2 on an H200)."""
-    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
+    from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 
     backend = install_traceable_varlen(monkeypatch)
     # the config's own patch: pytest's monkeypatch would delete the option on undo (it reads a ConfigModule's

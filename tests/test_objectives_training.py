@@ -352,7 +352,7 @@ def test_step_level_objectives_do_not_depend_on_gradient_accumulation(tmp_path, 
 
 
 def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):
-    from pair_dpo_trainer.training.summary import run_summary
+    from pair_dpo_trainer.observability.summary import run_summary
 
     mixture = cpu_config(tmp_path, loss_type=["sigmoid", "bco_pair", "sft"], loss_weights=[0.8, 0.2, 1.0], ld_alpha=0.5)
     line = run_summary(mixture, attn_backend="x", source=None)
@@ -362,7 +362,7 @@ def test_run_summary_names_the_mixture_and_the_reference_free_mode(tmp_path):
 
 
 def test_the_run_summary_counts_one_micro_batch_in_the_singular(tmp_path):
-    from pair_dpo_trainer.training.summary import run_summary
+    from pair_dpo_trainer.observability.summary import run_summary
 
     one = run_summary(cpu_config(tmp_path, gradient_accumulation_steps=1), attn_backend="x", source=None)
     two = run_summary(cpu_config(tmp_path, gradient_accumulation_steps=2), attn_backend="x", source=None)

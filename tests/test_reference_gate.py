@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save
 from pair_dpo_trainer import ConfigError, PairDPOConfig, PairDPOTrainer, SnapshotIntegrityError
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
-from pair_dpo_trainer.demo.build import download_metadata_files
 from pair_dpo_trainer.integrity import IDENTITY_FILENAME, read_identity, verify_snapshot
 from pair_dpo_trainer.training.checks import check_config
 from tests.dpo_fixtures import cpu_config
+from tools.build_demo_assets import download_metadata_files
 
 PAIRS = [json.loads(line) for line in open(bundled_pairs_path(), encoding="utf-8").readlines()[:48]]
 

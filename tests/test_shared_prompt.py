@@ -14,14 +14,11 @@ from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.data.tokenize import truncate_pair
 from pair_dpo_trainer.losses import LOSS_FUNCTIONS
 from pair_dpo_trainer.losses.base import LossParams, StepContext
+from pair_dpo_trainer.losses.length_weights import with_length_desensitization
 from pair_dpo_trainer.modeling import enable_pair_varlen
 from pair_dpo_trainer.modeling.attention import varlen_attention
-from pair_dpo_trainer.modeling.cpu_varlen import block_mask_varlen_attn, install_traceable_varlen
-from pair_dpo_trainer.modeling.logprobs import (
-    packed_policy_logps,
-    packed_sequence_logps,
-    with_length_desensitization,
-)
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps, packed_sequence_logps
+from pair_dpo_trainer.testing.cpu_varlen import block_mask_varlen_attn, install_traceable_varlen
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from tests.models import EOS, VOCAB, tiny_llama
 
@@ -263,7 +260,7 @@ def test_a_bad_share_prompt_value_is_refused(tmp_path) -> None:
 
 
 def test_the_run_summary_names_the_layout(tmp_path) -> None:
-    from pair_dpo_trainer.training.summary import run_summary
+    from pair_dpo_trainer.observability.summary import run_summary
     from tests.dpo_fixtures import cpu_config
 
     args = cpu_config(tmp_path)

@@ -12,8 +12,8 @@ from pair_dpo_trainer import PairDPOConfig, PairDPOTrainer
 from pair_dpo_trainer.collators.padded import PaddedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.modeling.logprobs import padded_sequence_logps
+from pair_dpo_trainer.observability.summary import run_summary
 from pair_dpo_trainer.reference import FrozenReference, NoReference
-from pair_dpo_trainer.training.summary import run_summary
 from tests.dpo_fixtures import cpu_config, synthetic_pairs
 from tests.models import tiny_llama, tiny_tokenizer
 

@@ -18,11 +18,11 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 from pair_dpo_trainer.demo import DEMO_REVISION, bundled_model_dir, bundled_pairs_path
-from pair_dpo_trainer.demo.build import download_metadata_files
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 from pair_dpo_trainer.integrity import pin_snapshot
 from pair_dpo_trainer.integrity.weights import DTYPE_BITS, header_problem, read_head
 from tests.test_user_errors import _script_env, _train_command
+from tools.build_demo_assets import download_metadata_files
 
 ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = "model.safetensors"

@@ -18,7 +18,7 @@ import yaml
 
 from benchmarks import cudagraph_probe, profile_summary, report, trl_dpo, workload
 from pair_dpo_trainer.collators import PackedPairCollator
-from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
+from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 
 # The fields of the former trl_dpo_baseline.py's RESULT row: ours and benchmarks.trl_dpo must carry every one of them.
 TRL_RESULT_FIELDS = (

@@ -1,7 +1,7 @@
 """Padded collator: the reference path (tests, and attention backends without varlen support).
 
 ``n`` pairs become ``2n`` right-padded rows in the packed order (row ``2*i`` is pair ``i``'s chosen sequence,
-row ``2*i + 1`` its rejected one: :func:`~pair_dpo_trainer.collators.packed.split_pairs`). Labels follow the same
+row ``2*i + 1`` its rejected one: :func:`~pair_dpo_trainer.collators.batch.split_pairs`). Labels follow the same
 shifted convention as the packed collator: ``labels[r, j]`` is the target of the logits at ``[r, j]``.
 """
 
@@ -12,12 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pair_dpo_trainer.collators.packed import (
-    IGNORE_INDEX,
-    _TensorDataclass,
-    pair_sequences,
-    sequence_labels,
-)
+from pair_dpo_trainer.collators.batch import IGNORE_INDEX, _TensorDataclass
+from pair_dpo_trainer.collators.packed import pair_sequences, sequence_labels
 
 
 @dataclass(frozen=True)

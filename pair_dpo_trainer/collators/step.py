@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """The bundled demo: a tiny Llama snapshot pinned at :data:`DEMO_REVISION` and its preference pairs (no downloads).
 
-This module holds only the paths and the pin the runtime reads; :mod:`.pairs` generates the demo pairs and
-:mod:`.build` regenerates every bundled file deterministically (the tests check the committed copy against it).
+This module holds only the paths and the pin the runtime reads; :mod:`.pairs` generates the demo pairs and the
+repository tool ``tools/build_demo_assets.py`` regenerates every bundled file deterministically (the tests check the
+committed copy against it).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ class PairLogps:
     Attributes:
         policy_chosen_logps / policy_rejected_logps: Summed completion-token log-probs of the policy (LD-DPO
             weighted when ``ld_alpha`` is set, see
-            :func:`pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`).
+            :func:`pair_dpo_trainer.losses.length_weights.length_desensitized_weights`).
         ref_chosen_logps / ref_rejected_logps: The same for the reference (0 when there is none).
         chosen_token_counts / rejected_token_counts: Scored completion tokens per sequence.
         policy_chosen_nll_logps: The plain (never LD-weighted) summed chosen log-probs, for NLL terms; None means

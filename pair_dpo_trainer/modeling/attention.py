@@ -22,7 +22,7 @@ from pair_dpo_trainer.modeling.sequence_parallel import gather_sequence, module_
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 if TYPE_CHECKING:
-    from pair_dpo_trainer.collators.packed import PackedPairBatch
+    from pair_dpo_trainer.collators.batch import PackedPairBatch
 
 logger = logging.getLogger(__name__)
 

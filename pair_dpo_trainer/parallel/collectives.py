@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from pair_dpo_trainer.errors import ConfigError, RunError
@@ -26,6 +27,7 @@ _COMM_PATHS = (f"torch{os.sep}distributed{os.sep}", f"deepspeed{os.sep}comm{os.s
 _HELPER_PATHS = (
     *_COMM_PATHS,
     f"pair_dpo_trainer{os.sep}parallel{os.sep}agreement.py",
+    f"pair_dpo_trainer{os.sep}parallel{os.sep}collectives.py",
 )  # skipped when naming the caller
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 _PEER_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "connection refused")
@@ -44,6 +46,17 @@ def end_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def all_reduce_if_distributed(tensor: torch.Tensor, op: Any = None) -> None:
+    """All-reduces ``tensor`` in place over the default process group (``op``: a ``torch.distributed.ReduceOp``,
+    SUM when None) when one is initialised, whatever its size; outside a process group ``tensor`` is left as it is.
+
+    A collective inside a process group: every rank calls it, in the same order as its other collectives. A failure
+    is named after this function's caller (:func:`collective_failure`).
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op is None else op)
 
 
 def apply_collective_timeout(seconds: float) -> int:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 

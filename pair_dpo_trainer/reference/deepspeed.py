@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.errors import ConfigError, Problem, raise_problems
-from pair_dpo_trainer.modeling.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
+from pair_dpo_trainer.modeling.chunked_head import DEFAULT_CHUNK_SIZE
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.parallel.gather import gathered_named_parameters
 from pair_dpo_trainer.parallel.zero3 import mark_zero3_leaf_modules
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.errors import SnapshotIntegrityError
 from pair_dpo_trainer.integrity import (
     IDENTITY_FILENAME,

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
-from pair_dpo_trainer.modeling.logprobs import DEFAULT_CHUNK_SIZE, packed_sequence_logps
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.modeling.chunked_head import DEFAULT_CHUNK_SIZE
+from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.modeling.wrappers import unwrap_model
 
 

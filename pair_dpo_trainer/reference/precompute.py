@@ -27,13 +27,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from pair_dpo_trainer.atomic import atomic_open
-from pair_dpo_trainer.collators.packed import REF_LOGPS_KEYS, PackedPairBatch, PackedPairCollator, pair_rows
+from pair_dpo_trainer.collators.batch import REF_LOGPS_KEYS, PackedPairBatch, pair_rows
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
 from pair_dpo_trainer.data.costs import pair_cost_array
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.modeling.logprobs import with_length_desensitization
+from pair_dpo_trainer.losses.length_weights import with_length_desensitization
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu, assert_ranks_agree
 from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from accelerate.utils import DistributedType
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.step import StepBatch
 
 __all__ = ["microbatch_sync", "run_step"]

@@ -23,12 +23,12 @@ from pair_dpo_trainer.losses.checks import loss_problems
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
 from pair_dpo_trainer.modeling.float8 import fp8_problems
+from pair_dpo_trainer.observability.metrics import report_to_problems
 from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
 from pair_dpo_trainer.parallel.sequence import sequence_parallel_problems
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
 from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
 from pair_dpo_trainer.training.layers import auto_checkpointing_problems
-from pair_dpo_trainer.training.metrics import report_to_problems
 
 
 def config_problems(args: PairDPOConfig) -> list[Problem]:

@@ -15,13 +15,15 @@ from dataclasses import dataclass, replace
 import torch
 from transformers import TrainerCallback
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
+from pair_dpo_trainer.collators.batch import PackedPairBatch
+from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
+from pair_dpo_trainer.modeling.chunked_head import compile_head_kernels
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
-from pair_dpo_trainer.modeling.logprobs import compile_head_kernels, packed_policy_logps
+from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
 from pair_dpo_trainer.modeling.wrappers import forward_replaced
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (

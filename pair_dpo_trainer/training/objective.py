@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.step import StepBatch
 from pair_dpo_trainer.config import PairDPOConfig
 from pair_dpo_trainer.errors import ConfigError

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from pair_dpo_trainer.atomic import atomic_open, read_regular
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.losses.base import PairLogps
+from pair_dpo_trainer.parallel.collectives import all_reduce_if_distributed
 
 OBJECTIVE_STATE_FILENAME = "pair_dpo_objective_state.json"
 OBJECTIVE_STATE_FORMAT = 1
@@ -62,8 +62,7 @@ class RunningRewardMean:
         A collective in multi-process runs: every rank calls it once per optimizer step.
         """
         pending = self._pending.clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(pending)
+        all_reduce_if_distributed(pending)
         self._total += pending
         self._pending.zero_()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch, split_pairs
+from pair_dpo_trainer.collators.batch import PackedPairBatch, split_pairs
 from pair_dpo_trainer.losses import PairLogps
 from pair_dpo_trainer.modeling.logprobs import SequenceLogps
 
@@ -14,7 +14,7 @@ def pair_logps_from_sequences(
     policy: SequenceLogps | torch.Tensor, ref_logps: torch.Tensor, batch: PackedPairBatch
 ) -> PairLogps:
     """Splits per-sequence ``[2n]`` log-probs into :class:`PairLogps` (the collators' layout:
-    :func:`~pair_dpo_trainer.collators.packed.split_pairs`).
+    :func:`~pair_dpo_trainer.collators.batch.split_pairs`).
 
     ``policy`` is the policy pass (:class:`~pair_dpo_trainer.modeling.logprobs.SequenceLogps`: LD-weighted and plain
     sums,

@@ -17,10 +17,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from pair_dpo_trainer.collators.packed import PackedPairBatch
+from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.losses.aot import sort_matched
 from pair_dpo_trainer.losses.base import AotMatch, PairLogps, StepContext
 from pair_dpo_trainer.losses.objective import Objective
+from pair_dpo_trainer.parallel.agreement import is_multiprocess
 from pair_dpo_trainer.training.objective_state import RunningRewardMean
 
 MarginsFn = Callable[[PackedPairBatch], PairLogps]
@@ -39,10 +40,6 @@ def chosen_sequence_targets(batch: PackedPairBatch) -> int:
     return sum(length - 1 for length in lengths[::2])
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
 def _step_tokens_per_pair(
     batches: Sequence[PackedPairBatch], device: torch.device, count: Callable[[PackedPairBatch], int]
 ) -> torch.Tensor:
@@ -51,7 +48,7 @@ def _step_tokens_per_pair(
     tokens = sum(count(batch) for batch in batches)  # CPU batches: host arithmetic
     pairs = sum(batch.num_pairs for batch in batches)
     totals = torch.tensor([tokens, pairs], dtype=torch.float64, device=device)
-    if _distributed():
+    if is_multiprocess():
         dist.all_reduce(totals)
     return totals[0] / totals[1].clamp(min=1)
 
@@ -64,7 +61,7 @@ def _gather_rows(local: torch.Tensor, rows_per_rank: int) -> torch.Tensor:
         raise ValueError(f"{local.shape[0]} pairs on this rank exceed the step's {rows_per_rank} pairs per rank")
     padded = torch.full((rows_per_rank, local.shape[1]), float("inf"), dtype=local.dtype, device=local.device)
     padded[: local.shape[0]] = local
-    if not _distributed():
+    if not is_multiprocess():
         return padded
     rows = [torch.empty_like(padded) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, padded)
@@ -85,7 +82,7 @@ def _aot_matches(batches: Sequence[PackedPairBatch], margins_fn: MarginsFn, rows
     rows = _gather_rows(local, rows_per_rank)
     pairs = ((0, 1), (2, 3), (3, 2))  # aot: policy vs reference margins; aot_unpaired: chosen vs rejected, both ways
     partners = torch.stack([sort_matched(rows[:, x], rows[:, y]) for x, y in pairs], 1)
-    rank = dist.get_rank() if _distributed() else 0
+    rank = dist.get_rank() if is_multiprocess() else 0
     mine = partners[rank * rows_per_rank : rank * rows_per_rank + local.shape[0]]
     matches, start = [], 0
     for block in columns:

@@ -5,9 +5,9 @@ per-token quantities (what TRL's fused LM head returns: ``log_probs``, ``entropy
 ``log_sum_sq_probs``), so no TRL training runs. Our side gets the same per-token values in packed order and goes
 through the training path's own code: :func:`~pair_dpo_trainer.modeling.logprobs.sequence_logps_from_tokens` (LD-DPO
 weights
-from :func:`~pair_dpo_trainer.modeling.logprobs.length_desensitized_weights`), ``pair_logps_from_sequences``, the
+from :func:`~pair_dpo_trainer.losses.length_weights.length_desensitized_weights`), ``pair_logps_from_sequences``, the
 objective
-and :class:`~pair_dpo_trainer.training.metrics.PairMetrics`. SimPO is compared with TRL's experimental
+and :class:`~pair_dpo_trainer.observability.metrics.PairMetrics`. SimPO is compared with TRL's experimental
 ``CPOTrainer.cpo_loss``; ORPO's whole loss (NLL and odds ratio) and its gradient with TRL's experimental
 ``ORPOTrainer`` on the bundled tiny Llama (its own tokenisation, collator and forward); TR-DPO's mixing with TRL's
 ``SyncRefModelCallback``.
@@ -26,9 +26,10 @@ import torch
 
 from pair_dpo_trainer.collators import PackedPairCollator
 from pair_dpo_trainer.losses import LossParams, Objective, StepContext
-from pair_dpo_trainer.modeling.logprobs import length_desensitized_weights, sequence_logps_from_tokens
+from pair_dpo_trainer.losses.length_weights import length_desensitized_weights
+from pair_dpo_trainer.modeling.logprobs import sequence_logps_from_tokens
+from pair_dpo_trainer.observability.metrics import PairMetrics
 from pair_dpo_trainer.trainer import pair_logps_from_sequences
-from pair_dpo_trainer.training.metrics import PairMetrics
 
 trl = pytest.importorskip("trl")
 from trl.trainer.dpo_trainer import DPOTrainer  # noqa: E402

@@ -3,7 +3,7 @@
 ``update`` adds weighted sums into one small device tensor (no host sync); ``reduce`` sums it over ranks and moves it
 to the host once per logging event. Names are TRL 1.16's where the quantity is the same (docs/losses.md lists them):
 
-Details: training/README.md, "Module notes", ``metrics.py``.
+Details: observability/README.md, "Module notes", ``metrics.py``.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from pair_dpo_trainer.collators.packed import split_pairs
+from pair_dpo_trainer.collators.batch import split_pairs
 from pair_dpo_trainer.losses import PairLogps
+from pair_dpo_trainer.parallel.collectives import all_reduce_if_distributed
 
 METRIC_NAMES = (
     "loss",
@@ -31,7 +31,7 @@ METRIC_NAMES = (
 """Pair-weighted means, in the order of the device sums."""
 
 TOKEN_METRIC_NAMES = ("logits/chosen", "logits/rejected", "entropy", "mean_token_accuracy")
-"""Token-weighted means from the per-token statistics of the policy pass (``modeling.logprobs.TOKEN_STATS``)."""
+"""Token-weighted means from the per-token statistics of the policy pass (``modeling.chunked_head.TOKEN_STATS``)."""
 
 
 def _token_sums(logps: PairLogps, token_stats: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -119,8 +119,7 @@ class PairMetrics:
             [self._packed_tokens, self._tokens, self._pairs, self._unfolded_tokens], dtype=torch.float64
         )
         packed = torch.cat([sums.to(device), counters.to(device)])
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed)
+        all_reduce_if_distributed(packed)
         values = packed.cpu().tolist()
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         pairs_width = len(self.pair_names)
@@ -146,8 +145,7 @@ class PairMetrics:
         """Adds the tokens since the last log (all ranks) to ``totals.num_input_tokens_seen`` without logging, so a
         checkpoint's ``trainer_state.json`` holds the exact count. A collective: call on every rank."""
         pending = torch.tensor([float(self._unfolded_tokens)], dtype=torch.float64, device=device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(pending)
+        all_reduce_if_distributed(pending)
         totals.num_input_tokens_seen += int(round(pending.item()))
         self._unfolded_tokens = 0
 

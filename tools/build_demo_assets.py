@@ -2,7 +2,11 @@
 
 Usage (from the repository root)::
 
-Details: demo/README.md, "Module notes", ``build.py``.
+    python -m tools.build_demo_assets                      # rewrite pair_dpo_trainer/assets/
+    python -m tools.build_demo_assets --output-dir /tmp/a  # write elsewhere
+    python -m tools.build_demo_assets --check              # compare the committed tree, write nothing
+
+Details: tools/README.md, ``build_demo_assets.py``.
 """
 
 from __future__ import annotations
