@@ -12,6 +12,7 @@ Phases (rank 0 writes each result under OUT_DIR; the test compares them with one
       group's row); saves a checkpoint at step 2; parameters, losses and the first step's gradients; then an eval
       over EVAL_PAIRS pairs by the same budget.
   resume: resumes the train phase's checkpoint-2 and trains step 3: parameters to compare with the train phase.
+  resize: the same checkpoint resumed by the same ranks without groups (another data-parallel size): refused.
 """
 
 from __future__ import annotations
@@ -223,6 +224,25 @@ def train_phase(out: Path, size: int, rank: int, *, resume: bool = False) -> Non
         torch.save(result, out / ("resume.pt" if resume else "train.pt"))
 
 
+def resize_phase(out: Path, rank: int) -> None:
+    """The train phase's checkpoint-2 resumed by the same 2 ranks without groups (2 data-parallel ranks of 4 pairs:
+    another schedule); records the error each rank raises."""
+    from pair_dpo_trainer import PairDPOTrainer
+    from pair_dpo_trainer.errors import PairDPOError
+
+    run_dir = out / "run"
+    config = cpu_config(out, **train_options(out / "resized", 1, max_tokens_per_microbatch=2 * BUDGET))
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=config, train_dataset=long_pairs(24), processing_class=tiny_tokenizer()
+    )
+    try:
+        trainer.train(resume_from_checkpoint=str(run_dir / "checkpoint-2"))
+        code = None
+    except PairDPOError as exc:
+        code = exc.reason_code
+    (out / f"resize_rank{rank}.json").write_text(json.dumps({"reason_code": code}))
+
+
 def main() -> None:
     from pair_dpo_trainer.parallel.collectives import end_process_group
 
@@ -239,6 +259,8 @@ def main() -> None:
                 train_phase(out, size, rank)
             elif phase == "resume":
                 train_phase(out, size, rank, resume=True)
+            elif phase == "resize":
+                resize_phase(out, rank)
     finally:
         end_process_group()
 

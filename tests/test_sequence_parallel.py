@@ -22,7 +22,7 @@ from tests.dpo_fixtures import cpu_config, synthetic_pairs
 from tests.launch import torchrun
 from tests.models import tiny_llama, tiny_tokenizer
 from tests.ports import free_port
-from tests.sp_worker import EVAL_PAIRS, STEPS, long_pairs, one_process, train_options
+from tests.sp_worker import BUDGET, EVAL_PAIRS, STEPS, long_pairs, one_process, train_options
 
 # ---------------------------------------------------------------- host side (no process group)
 
@@ -112,7 +112,7 @@ def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2")
-    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume"))
+    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,resize"))
     return out, proc.stdout
 
 
@@ -177,6 +177,35 @@ def test_a_resumed_group_equals_the_uninterrupted_run(two_ranks):
     out, _ = two_ranks
     resumed, whole = torch.load(out / "resume.pt"), torch.load(out / "train.pt")
     assert _rel(resumed["params"], whole["params"]) == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_group_checkpoint_resumed_with_another_data_parallel_size_is_refused_on_every_rank(two_ranks):
+    """2 ranks without groups are 2 data-parallel ranks: the schedule differs from the group's, so the resumed step
+    would index other pairs."""
+    out, _ = two_ranks
+    codes = [json.loads((out / f"resize_rank{r}.json").read_text())["reason_code"] for r in range(2)]
+    assert codes == ["resume_data_mismatch", "resume_data_mismatch"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_group_checkpoint_resumed_by_one_process_with_the_same_schedule_equals_the_group(two_ranks, tmp_path):
+    """One process with the group's row budget plans the group's schedule: the group's checkpoint-2 resumed there
+    trains step 3 to the group's parameters (the group size changes nothing but who computes which tokens)."""
+    from pair_dpo_trainer import PairDPOTrainer
+
+    out, _ = two_ranks
+    options = train_options(tmp_path / "run", 1, max_tokens_per_microbatch=2 * BUDGET, save_strategy="no")
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=cpu_config(tmp_path, **options), train_dataset=long_pairs(24),
+        processing_class=tiny_tokenizer(),
+    )  # fmt: skip
+    trainer.train(resume_from_checkpoint=str(out / "run" / "checkpoint-2"))
+    whole = torch.load(out / "train.pt")
+    params = {n: p.detach() for n, p in trainer.model.named_parameters()}
+    assert _rel(params, whole["params"]) < 1e-5
 
 
 @pytest.fixture(scope="module")
