@@ -12,6 +12,7 @@ Phases (rank 0 writes each result under OUT_DIR; the test compares them with one
       group's row); saves a checkpoint at step 2; parameters, losses and the first step's gradients; then an eval
       over EVAL_PAIRS pairs by the same budget.
   resume: resumes the train phase's checkpoint-2 and trains step 3: parameters to compare with the train phase.
+  precompute: the train phase's run with precomputed reference log-probs: its losses.
   resize: the same checkpoint resumed by the same ranks without groups (another data-parallel size): refused.
 """
 
@@ -224,6 +225,22 @@ def train_phase(out: Path, size: int, rank: int, *, resume: bool = False) -> Non
         torch.save(result, out / ("resume.pt" if resume else "train.pt"))
 
 
+def precompute_phase(out: Path, size: int, rank: int) -> None:
+    """The train phase's run with ``precompute_ref_log_probs`` (the group computes each pair's reference log-probs
+    once, its first rank reports them): its losses, to compare with the online reference's."""
+    from pair_dpo_trainer import PairDPOTrainer
+
+    options = train_options(out / "pre", size, save_strategy="no", precompute_ref_log_probs=True)
+    trainer = PairDPOTrainer(
+        model=tiny_llama(0), args=cpu_config(out, **options), train_dataset=long_pairs(24),
+        processing_class=tiny_tokenizer(),
+    )  # fmt: skip
+    trainer.train()
+    if rank == 0:
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        (out / "precompute.json").write_text(json.dumps({"losses": losses}))
+
+
 def resize_phase(out: Path, rank: int) -> None:
     """The train phase's checkpoint-2 resumed by the same 2 ranks without groups (2 data-parallel ranks of 4 pairs:
     another schedule); records the error each rank raises."""
@@ -259,6 +276,8 @@ def main() -> None:
                 train_phase(out, size, rank)
             elif phase == "resume":
                 train_phase(out, size, rank, resume=True)
+            elif phase == "precompute":
+                precompute_phase(out, size, rank)
             elif phase == "resize":
                 resize_phase(out, rank)
     finally:

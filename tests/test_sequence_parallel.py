@@ -112,7 +112,7 @@ def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2")
-    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,resize"))
+    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,precompute,resize"))
     return out, proc.stdout
 
 
@@ -177,6 +177,17 @@ def test_a_resumed_group_equals_the_uninterrupted_run(two_ranks):
     out, _ = two_ranks
     resumed, whole = torch.load(out / "resume.pt"), torch.load(out / "train.pt")
     assert _rel(resumed["params"], whole["params"]) == 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_reference_log_probs_precomputed_by_a_group_train_like_the_online_reference(two_ranks):
+    """The precompute pass under groups (each pair computed by its group, reported once) gives the online run's
+    losses."""
+    out, _ = two_ranks
+    precomputed = json.loads((out / "precompute.json").read_text())["losses"]
+    online = torch.load(out / "train.pt")["losses"]
+    assert precomputed == pytest.approx(online, abs=1e-6)
 
 
 @pytest.mark.distributed
