@@ -54,6 +54,12 @@ def test_the_slices_of_a_row_cover_it_once_and_split_its_scored_tokens(share_pro
     assert [b.counts_pairs for b in shards] == [True] + [False] * (size - 1)
 
 
+def test_each_ranks_slice_keeps_the_rows_pad_multiple():
+    """float8 pads rows to a multiple of 16 tokens for its matmuls: under a group each rank's slice is one."""
+    batch = PackedPairCollator(pad_to_multiple_of=16, sequence_shard=(1, 2))(synthetic_pairs(4))  # 7 x 16 alone
+    assert batch.num_tokens % 32 == 0 and (batch.sequence_shard.end - batch.sequence_shard.start) % 16 == 0
+
+
 def test_a_padded_budget_row_must_split_evenly_over_the_group():
     with pytest.raises(ValueError, match="multiple of the group size 2"):
         PackedPairCollator(pad_to_length=41, sequence_shard=(0, 2))

@@ -9,7 +9,6 @@ Details: collators/README.md, "Module notes", ``packed.py``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -198,8 +197,8 @@ class PackedPairCollator:
         share_prompt: Store each prompt once (``[p c r]``, the shared-prompt layout); the attention must honour
             ``kv_index`` / ``cu_seqlens_k`` (``pair_varlen`` does).
         sequence_shard: ``(rank, size)`` under sequence parallelism: the row is padded to a multiple of ``size``
-            tokens (with ``pad_to_multiple_of``, to a common multiple) and carries this rank's
-            :class:`SequenceShard`; ``pad_to_length`` must then be a multiple of ``size``.
+            tokens (with ``pad_to_multiple_of``, of ``size x pad_to_multiple_of``: each rank's slice is a multiple of
+            it) and carries this rank's :class:`SequenceShard`; ``pad_to_length`` must then be a multiple of ``size``.
     """
 
     def __init__(
@@ -223,8 +222,8 @@ class PackedPairCollator:
                 raise ValueError(f"sequence_shard=(rank, size) needs 0 <= rank < size, got {sequence_shard}")
             if pad_to_length is not None and pad_to_length % size:
                 raise ValueError(f"pad_to_length={pad_to_length} must be a multiple of the group size {size}")
-            if pad_to_length is None:
-                pad_to_multiple_of = math.lcm(pad_to_multiple_of or 1, size)
+            if pad_to_length is None:  # every rank's slice a multiple of pad_to_multiple_of (float8's 16)
+                pad_to_multiple_of = (pad_to_multiple_of or 1) * size
         self.pad_to_multiple_of = pad_to_multiple_of
         self.pad_to_length = pad_to_length
         self.pad_token_id = int(pad_token_id)
