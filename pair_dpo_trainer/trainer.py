@@ -16,6 +16,7 @@ before any checkpoint state is restored; precomputed and freed) is owned by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, EvalLoopOutput
 from pair_dpo_trainer.collators.packed import PackedPairBatch, PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ScheduleOptions
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
 from pair_dpo_trainer.data.dataset import pairs_digest
 from pair_dpo_trainer.data.token_ids import input_vocab_size
@@ -59,22 +61,16 @@ from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignore
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
-from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+from pair_dpo_trainer.samplers.evaluation import WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
 from pair_dpo_trainer.training.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.training.layers import Budget, Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
-from pair_dpo_trainer.training.loading import (
-    PairDataLoader,
-    check_before_loading,
-    load_policy,
-    tokenized_pairs,
-    with_peft,
-)
+from pair_dpo_trainer.training.loading import PairDataLoader, load_policy, tokenized_pairs, with_peft
 from pair_dpo_trainer.training.metrics import PairMetrics
 from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
-from pair_dpo_trainer.training.options import guard_options, run_options, settle_prepared_limits
+from pair_dpo_trainer.training.options import guard_options, options_before_loading
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.resume_settings import (
     base_learning_rates,
@@ -82,7 +78,7 @@ from pair_dpo_trainer.training.resume_settings import (
     keep_configured_learning_rates,
     resume_settings,
 )
-from pair_dpo_trainer.training.schedule import check_train_rows, train_sampler
+from pair_dpo_trainer.training.schedule import eval_sampler, train_sampler
 from pair_dpo_trainer.training.summary import (
     RunFacts,
     announce_node,
@@ -144,10 +140,7 @@ class PairDPOTrainer(Trainer):
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
         check_config(args)  # every feature's option checks, before anything is loaded
-        settle_prepared_limits(args, [train_dataset, eval_dataset])  # before any section reads the limits
-        check_before_loading(model, eval_dataset, eval_strategy=args.eval_strategy, eval_on_start=args.eval_on_start)
-        self.options = options = run_options(args)  # each feature gets its section
-        check_train_rows(train_dataset, options.schedule)  # too_few_pairs from the row count
+        self.options = options = options_before_loading(model, args, train_dataset, eval_dataset)  # the sections
         self.ignored_reference = ignored_reference_settings(options.reference, ref_model_given=ref_model is not None)
         ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
         model, policy_dir, self.reference_source = load_policy(
@@ -156,9 +149,7 @@ class PairDPOTrainer(Trainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path, trust_remote_code=False)
         if peft_config is not None:
-            model = with_peft(
-                model, peft_config, gradient_checkpointing=bool(args.gradient_checkpointing), seed=args.seed
-            )
+            model = with_peft(model, peft_config, bool(args.gradient_checkpointing), args.seed)
         self.attn_backend = enable_pair_varlen(model, options.layers.attn_backend)
         self.share_prompt, self.unshared_reason = resolve_share_prompt(options.limits.share_prompt, model)  # layout
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
@@ -182,6 +173,8 @@ class PairDPOTrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
+        # HF's create_accelerator_and_postprocess may take gradient_accumulation_steps from accelerator_config
+        self.options = options = dataclasses.replace(options, schedule=ScheduleOptions.from_config(args))
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
         peft = is_peft_model(model)
@@ -252,13 +245,7 @@ class PairDPOTrainer(Trainer):
             return None
         options = self.options
         pairs, renderings = tokenized_pairs(
-            dataset,
-            tokenizer,
-            limits=options.limits,
-            data=options.data,
-            node=options.node,
-            desc=desc,
-            vocab_size=vocab_size,
+            dataset, tokenizer, options.limits, options.data, options.node, desc=desc, vocab_size=vocab_size
         )
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs
@@ -455,13 +442,7 @@ class PairDPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = cast(dict, self.eval_dataset)[dataset]
-        sampler = EvalBatchSampler(
-            self._costs(dataset),
-            world_size=self.args.world_size,
-            rank=self.args.process_index,
-            pairs_per_microbatch=self.args.per_device_eval_batch_size,
-            max_tokens_per_microbatch=self.args.max_tokens_per_microbatch,
-        )
+        sampler = eval_sampler(self._costs(dataset), self.options.schedule)
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
         return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, StopSafeDataLoader)
 

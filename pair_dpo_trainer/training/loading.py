@@ -42,7 +42,7 @@ def check_before_loading(model: Any, eval_dataset: Any, *, eval_strategy: Any, e
         require_model_directory(str(model), role="policy", option="model", code="model_not_found")
 
 
-def with_peft(model: PreTrainedModel, peft_config: Any, *, gradient_checkpointing: bool, seed: int) -> PreTrainedModel:
+def with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, seed: int) -> PreTrainedModel:
     """The policy wrapped in ``peft_config``'s adapters, as TRL wraps it (``modeling.peft.wrap_with_peft``)."""
     checkpointing, zero3 = bool(gradient_checkpointing), is_deepspeed_zero3_enabled()
     wrapped = wrap_with_peft(model, peft_config, gradient_checkpointing=checkpointing, zero3=zero3, seed=seed)
@@ -75,7 +75,7 @@ def load_policy(
 
 
 def tokenized_pairs(
-    dataset: Any, tokenizer: Any, *, limits: BatchLimits, data: DataOptions, node: Node, desc: str, vocab_size: int
+    dataset: Any, tokenizer: Any, limits: BatchLimits, data: DataOptions, node: Node, *, desc: str, vocab_size: int
 ) -> tuple[Any, dict[str, str]]:
     """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows, and
     how its rows were rendered (``data.dataset.pair_dataset_and_rendering``)."""

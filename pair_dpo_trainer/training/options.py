@@ -28,6 +28,8 @@ from pair_dpo_trainer.fault_tolerance.guard import GuardOptions
 from pair_dpo_trainer.losses.base import LossParams
 from pair_dpo_trainer.losses.registry import no_reference_reason, uses_reference
 from pair_dpo_trainer.parallel.node import Node
+from pair_dpo_trainer.training.loading import check_before_loading
+from pair_dpo_trainer.training.schedule import check_train_rows
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,16 @@ class RunOptions:
     fsdp: FsdpOptions
     loss: LossParams
     node: Node
+
+
+def options_before_loading(model: Any, args: PairDPOConfig, train_dataset: Any, eval_dataset: Any) -> RunOptions:
+    """``PairDPOTrainer.__init__``'s first steps: a prepared dataset's limits settled, the checks that need no model
+    (``training.loading.check_before_loading``), the sections built, then ``too_few_pairs`` from the row count."""
+    settle_prepared_limits(args, [train_dataset, eval_dataset])  # before any section reads the limits
+    check_before_loading(model, eval_dataset, eval_strategy=args.eval_strategy, eval_on_start=args.eval_on_start)
+    options = run_options(args)
+    check_train_rows(train_dataset, options.schedule)
+    return options
 
 
 def run_options(args: PairDPOConfig) -> RunOptions:

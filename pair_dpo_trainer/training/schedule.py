@@ -9,6 +9,7 @@ from typing import Any
 from pair_dpo_trainer.config.sections import ScheduleOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
+from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler
 from pair_dpo_trainer.samplers.planner import check_enough_pairs
 
 
@@ -29,6 +30,18 @@ def train_sampler(costs: Sequence[int], schedule: ScheduleOptions) -> PairBatchS
     if schedule.max_tokens_per_microbatch is None:
         return PairBatchSampler(costs, microbatches=schedule.microbatches, **layout)
     return PairStepSampler(costs, max_tokens_per_microbatch=schedule.max_tokens_per_microbatch, **layout)
+
+
+def eval_sampler(costs: Sequence[int], schedule: ScheduleOptions) -> EvalBatchSampler:
+    """This rank's eval sampler: every eval pair once, ``per_device_eval_batch_size`` pairs (within the token budget
+    when one is set) per micro-batch, equal micro-batch counts on all ranks (``samplers.evaluation``)."""
+    return EvalBatchSampler(
+        costs,
+        world_size=schedule.world_size,
+        rank=schedule.rank,
+        pairs_per_microbatch=schedule.eval_pairs_per_microbatch,
+        max_tokens_per_microbatch=schedule.max_tokens_per_microbatch,
+    )
 
 
 def check_train_rows(dataset: Any, schedule: ScheduleOptions) -> None:
