@@ -323,14 +323,14 @@ def _run(model_args: ModelArguments, data_args: DataArguments, config: Any) -> d
     from pair_dpo_trainer.cli.plot import CURVES_FILENAME, plot_training_curves
     from pair_dpo_trainer.data.splits import load_train_eval
     from pair_dpo_trainer.fault_tolerance.preemption import stop_on_signal
-    from pair_dpo_trainer.losses.registry import uses_reference
     from pair_dpo_trainer.modeling.paths import require_model_directory
     from pair_dpo_trainer.samplers.planner import check_enough_pairs
     from pair_dpo_trainer.trainer import PairDPOTrainer
     from pair_dpo_trainer.training.checks import check_config
+    from pair_dpo_trainer.training.options import reference_options
 
     check_config(config)  # every option problem now, before the model, tokenizer or data load
-    uses = uses_reference(config.loss_type, reference_free=config.reference_free)
+    uses = reference_options(config).uses_reference  # the run's one decision of whether it has a reference
     if _is_bundled(model_args.model_name_or_path) and uses and config.ref_model_revision is None:
         config.ref_model_revision = DEMO_REVISION  # the bundled snapshot ships pinned at this revision
     require_model_directory(

@@ -16,6 +16,7 @@ before any checkpoint state is restored; precomputed and freed) is owned by
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable
@@ -32,11 +33,12 @@ from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.collators.step import StepBatch, StepCollator, StepPairs
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ScheduleOptions
 from pair_dpo_trainer.config.trl_names import TRAINER_KWARG_EQUIVALENTS, reject_unsupported_options
 from pair_dpo_trainer.data.dataset import pairs_digest
 from pair_dpo_trainer.data.token_ids import input_vocab_size
 from pair_dpo_trainer.errors import ConfigError, raise_problems
-from pair_dpo_trainer.fault_tolerance import GuardOptions, RunGuard
+from pair_dpo_trainer.fault_tolerance import RunGuard
 from pair_dpo_trainer.fault_tolerance.launcher import follow_launcher
 from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
@@ -71,19 +73,14 @@ from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignore
 from pair_dpo_trainer.reference.manager import ReferenceManager
 from pair_dpo_trainer.reference.peft import is_peft_model
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
-from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler, WeightedPairs
+from pair_dpo_trainer.samplers.evaluation import WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
-from pair_dpo_trainer.training.layers import Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
-from pair_dpo_trainer.training.loading import (
-    PairDataLoader,
-    check_before_loading,
-    load_policy,
-    tokenized_pairs,
-    with_peft,
-)
+from pair_dpo_trainer.training.layers import Budget, Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
+from pair_dpo_trainer.training.loading import PairDataLoader, load_policy, tokenized_pairs, with_peft
 from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
+from pair_dpo_trainer.training.options import guard_options, options_before_loading
 from pair_dpo_trainer.training.pair_logps import pair_logps_from_sequences
 from pair_dpo_trainer.training.resume_settings import (
     base_learning_rates,
@@ -91,7 +88,7 @@ from pair_dpo_trainer.training.resume_settings import (
     keep_configured_learning_rates,
     resume_settings,
 )
-from pair_dpo_trainer.training.schedule import train_sampler
+from pair_dpo_trainer.training.schedule import eval_sampler, train_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -146,31 +143,33 @@ class PairDPOTrainer(Trainer):
                 f"{type(args).__name__}; TRL's DPOTrainer(model, ref_model, args) order differs: pass keywords.",
             )
         check_config(args)  # every feature's option checks, before anything is loaded
-        check_before_loading(model, args, train_dataset, eval_dataset)
-        self.ignored_reference = ignored_reference_settings(args, ref_model_given=ref_model is not None)
+        self.options = options = options_before_loading(model, args, train_dataset, eval_dataset)  # the sections
+        self.ignored_reference = ignored_reference_settings(options.reference, ref_model_given=ref_model is not None)
         ref_model = None if self.ignored_reference else ref_model  # a reference-free run ignores it (summary)
-        model, policy_dir, self.reference_source = load_policy(model, args, ref_model_given=ref_model is not None)
+        model, policy_dir, self.reference_source = load_policy(
+            model, options.reference, options.node, ref_model_given=ref_model is not None
+        )
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(policy_dir or model.name_or_path, trust_remote_code=False)
         if peft_config is not None:
-            model = with_peft(model, peft_config, args)
-        self.attn_backend = enable_pair_varlen(model, args.attn_backend)
-        self.share_prompt, self.unshared_reason = resolve_share_prompt(args.share_prompt, model)  # packed layout
+            model = with_peft(model, peft_config, bool(args.gradient_checkpointing), args.seed)
+        self.attn_backend = enable_pair_varlen(model, options.layers.attn_backend)
+        self.share_prompt, self.unshared_reason = resolve_share_prompt(options.limits.share_prompt, model)  # layout
         self._given = {"peft_policy": is_peft_model(model), "ref_model_given": ref_model is not None}  # run_checks
         self.renderings: dict[str, str] = {}  # dataset -> how its rows became tokens (run summary)
         vocab = input_vocab_size(model)  # every token id of the pairs is checked against it
-        train_pairs = self._pairs(train_dataset, processing_class, args, "train dataset", vocab)
-        eval_pairs = self._pairs(eval_dataset, processing_class, args, "eval dataset", vocab)
+        train_pairs = self._pairs(train_dataset, processing_class, "train dataset", vocab)
+        eval_pairs = self._pairs(eval_dataset, processing_class, "eval dataset", vocab)
         super().__init__(
             model=model,
             args=args,
             data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
                 pad_token_id=processing_class.pad_token_id or 0,
-                pad_to_length=args.row_token_budget if args.pad_to_budget else None,
-                pad_to_multiple_of=None if args.pad_to_budget else fp8_pad_multiple(args.fp8),
+                pad_to_length=options.limits.row_token_budget if options.limits.pad_to_budget else None,
+                pad_to_multiple_of=None if options.limits.pad_to_budget else fp8_pad_multiple(options.layers.fp8),
                 score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
                 share_prompt=self.share_prompt,
-                sequence_shard=args.sequence_shard,  # this rank's slice of each row (sequence parallelism)
+                sequence_shard=options.schedule.sequence_shard,  # this rank's slice of each row (sequence parallelism)
             ),
             train_dataset=train_pairs,
             eval_dataset=eval_pairs,
@@ -178,16 +177,18 @@ class PairDPOTrainer(Trainer):
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
-        apply_sequence_parallel(model, args.sequence_parallel_size)  # after run_problems checked the world
+        # HF's create_accelerator_and_postprocess may take gradient_accumulation_steps from accelerator_config
+        self.options = options = dataclasses.replace(options, schedule=ScheduleOptions.from_config(args))
+        apply_sequence_parallel(model, options.layers.sequence_parallel_size)  # after run_problems checked the world
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
         peft = is_peft_model(model)
-        self.zero3_leaf_classes = zero3_leaf_setup(model, args.zero3_leaf_modules, zero3=zero3, peft=peft)
+        self.zero3_leaf_classes = zero3_leaf_setup(model, options.layers.zero3_leaf_modules, zero3=zero3, peft=peft)
         self.reference_manager = self._reference_manager(model, ref_model, ds_plugin)
         self.run_guard = RunGuard()  # output-dir lock, collective timeouts, preemption, atomic checkpoints
         self.step_guard = NonFiniteStepGuard(args.max_nonfinite_grad_skips, loss_scaled=bool(args.fp16))
         self.add_callback(self.step_guard)  # a step DeepSpeed discarded still steps the LR schedule
-        self.objective_runtime = ObjectiveRuntime(args, args.device)  # objective, BCO state, step contexts
+        self.objective_runtime = ObjectiveRuntime(options.objective, options.loss, args.device)  # BCO, step contexts
         needs_step = self.objective_runtime.needs_step_context
         step_problem = step_context_problem(args.sequence_parallel_size, needs_step_context=needs_step,
                                             loss_type=args.loss_type)  # fmt: skip
@@ -208,12 +209,19 @@ class PairDPOTrainer(Trainer):
 
     def _reference_manager(self, model: Any, ref_model: Any, ds_plugin: Any) -> ReferenceManager:
         """The run's reference manager: builds the reference now unless DeepSpeed / precompute (then lazily)."""
+        options = self.options
         return ReferenceManager(
-            self.args,
+            options.reference,
+            options.layers,
             model,
             source=self.reference_source,
             ref_model=ref_model,
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
+            limits=options.limits,
+            schedule=options.schedule,
+            data=options.data,
+            device=self.args.device,
+            should_save=self.args.should_save,
             mixed_precision=str(self.accelerator.mixed_precision),
             fsdp_plugin=self.fsdp_plugin,
             share_prompt=self.share_prompt,
@@ -222,10 +230,10 @@ class PairDPOTrainer(Trainer):
     def create_accelerator_and_postprocess(self) -> None:
         """The Trainer's Accelerator, then FSDP2 as asked (``parallel.fsdp2.setup_fsdp2``): installed where Accelerate
         drops it (CPU processes), refused where unsupported (FSDP1), never a silent fallback to DDP."""
-        check_fsdp_version(self.args)
+        check_fsdp_version(self.options.fsdp)
         super().create_accelerator_and_postprocess()
-        raise_problems(run_problems(self.args, self._run_setup()))  # the one runtime check: every problem at once
-        self.fsdp_plugin = setup_fsdp2(self.accelerator, self.args)
+        raise_problems(run_problems(self.args, self._run_setup(), self.options))  # the one runtime check: all at once
+        self.fsdp_plugin = setup_fsdp2(self.accelerator, self.options.fsdp)
         self.is_fsdp_enabled = self.fsdp_plugin is not None
 
     def _run_setup(self) -> RunSetup:
@@ -233,19 +241,22 @@ class PairDPOTrainer(Trainer):
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         return RunSetup(
             deepspeed_config=ds_plugin.deepspeed_config if ds_plugin is not None else None,
-            fsdp_plugin=find_fsdp2_plugin(self.accelerator, self.args),
+            fsdp_plugin=find_fsdp2_plugin(self.accelerator, self.options.fsdp),
             process_group=torch.distributed.is_available() and torch.distributed.is_initialized(),
             attn_backend=self.attn_backend,
             zero3=ds_plugin is not None and ds_plugin.zero_stage == 3,
             **self._given,
         )
 
-    def _pairs(self, dataset: Any, tokenizer: Any, args: PairDPOConfig, desc: str, vocab_size: int) -> Any:
+    def _pairs(self, dataset: Any, tokenizer: Any, desc: str, vocab_size: int) -> Any:
         """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows;
         records how its rows were rendered."""
         if dataset is None:
             return None
-        pairs, renderings = tokenized_pairs(dataset, tokenizer, args, desc=desc, vocab_size=vocab_size)
+        options = self.options
+        pairs, renderings = tokenized_pairs(
+            dataset, tokenizer, options.limits, options.data, options.node, desc=desc, vocab_size=vocab_size
+        )
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs
 
@@ -272,7 +283,7 @@ class PairDPOTrainer(Trainer):
         :mod:`pair_dpo_trainer.fault_tolerance`.
         """
         settings = resume_settings(self.args, self.processing_class, share_prompt=self.share_prompt)
-        options = GuardOptions.from_args(self.args, settings)
+        options = guard_options(self.args, settings)  # as the arguments are when the session starts
         with self.run_guard.session(self, resume_from_checkpoint, options) as resume_from_checkpoint:
             self.step_guard.reset(self.run_guard.resumed_nonfinite_grad_skips())  # the run's count goes on
             self.reference_manager.prepare(self._reference_datasets(), resume_from_checkpoint)
@@ -301,7 +312,7 @@ class PairDPOTrainer(Trainer):
             fsdp2=self.fsdp_plugin is not None,
             precision=precision,
             renderings=self.renderings,
-            peft_reference=adapter_disabled_reference(self.args, **self._given),
+            peft_reference=adapter_disabled_reference(self.options.reference, **self._given),
             ignored_reference=self.ignored_reference,
             layers=self.layer_plan,
             share_prompt=self.share_prompt,
@@ -342,17 +353,20 @@ class PairDPOTrainer(Trainer):
                 self.model,
                 self.reference.sequence_logps,
                 collator,
-                self.args,
+                self.options.limits,
                 vocab_size=vocab,
+                device=self.args.device,
+                chunk_size=self.options.layers.logps_chunk_size,
                 autocast=self.accelerator.autocast,
             )
         self.layer_plan = prepare_layers(
             self.model,
             reference.model if reference is not None else None,
-            self.args,
+            self.options.layers,
             probe=probe,
             training=training,
             fsdp=self.fsdp_plugin is not None,
+            budget=Budget(self.options.limits.max_tokens_per_microbatch, self.args.device, self.args.world_size),
         )
         self._layers_trained = training
 
@@ -420,7 +434,7 @@ class PairDPOTrainer(Trainer):
 
         With a token budget each item is a whole step (``collators.step``; the Trainer runs it as one accumulation
         step, see ``training.accumulation``)."""
-        sampler = train_sampler(self._costs(self.train_dataset), self.args)
+        sampler = train_sampler(self._costs(self.train_dataset), self.options.schedule)
         fingerprint = sampler.schedule_fingerprint(0)
         assert_ranks_agree("train schedule", fingerprint)
         assert_ranks_agree("train pairs (a digest of their token ids)", pairs_digest(self.train_dataset))
@@ -438,13 +452,7 @@ class PairDPOTrainer(Trainer):
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
         if isinstance(dataset, str):
             dataset = cast(dict, self.eval_dataset)[dataset]
-        sampler = EvalBatchSampler(
-            self._costs(dataset),
-            world_size=self.args.data_parallel_size,
-            rank=self.args.data_parallel_rank,
-            pairs_per_microbatch=self.args.per_device_eval_batch_size,
-            max_tokens_per_microbatch=self.args.row_token_budget,
-        )
+        sampler = eval_sampler(self._costs(dataset), self.options.schedule)
         assert_ranks_agree("eval schedule", f"{len(sampler)}")
         return self._loader(WeightedPairs(self.reference_manager.attach(dataset)), sampler, StopSafeDataLoader)
 

@@ -191,12 +191,14 @@ def test_a_reference_free_run_ignores_the_reference_settings(tmp_path):
     """Switching to a reference-free run is one option: the reference settings left set are ignored (the run
     summary names them), never refused."""
     from pair_dpo_trainer.reference.checks import ignored_reference_settings
+    from pair_dpo_trainer.training.options import reference_options
 
     revision = "a" * 40
     for options in ({"reference_free": True}, {"loss_type": "simpo"}, {"loss_type": ["orpo", "sft"]}):
         config = _checked(tmp_path, ref_model_revision=revision, ref_model_name_or_path="/models/ref", **options)
-        assert ignored_reference_settings(config) == ["ref_model_name_or_path", "ref_model_revision"]
-    assert ignored_reference_settings(_checked(tmp_path, ref_model_revision=revision)) == []
+        ignored = ignored_reference_settings(reference_options(config))
+        assert ignored == ["ref_model_name_or_path", "ref_model_revision"]
+    assert ignored_reference_settings(reference_options(_checked(tmp_path, ref_model_revision=revision))) == []
 
 
 @pytest.mark.parametrize(

@@ -262,6 +262,7 @@ def test_shipped_fsdp2_configs_parse_with_accelerate_into_a_supported_fsdp2_plug
     from accelerate.utils import FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
 
+    from pair_dpo_trainer.config.sections import FsdpOptions
     from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems, requested_fsdp_version
     from tests.dpo_fixtures import cpu_config
 
@@ -269,7 +270,7 @@ def test_shipped_fsdp2_configs_parse_with_accelerate_into_a_supported_fsdp2_plug
     for key, value in env.items():
         if key.startswith(("FSDP_", "ACCELERATE_USE_FSDP")):
             monkeypatch.setenv(key, value)
-    args = cpu_config(tmp_path)
+    args = FsdpOptions.from_config(cpu_config(tmp_path))
     assert requested_fsdp_version(args) == 2
     plugin = FullyShardedDataParallelPlugin()
     assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
@@ -307,31 +308,34 @@ def _plugin(monkeypatch, **kwargs):
 def test_unsupported_fsdp2_settings_are_refused_with_a_reason(
     tmp_path, monkeypatch, plugin_kwargs, config_kwargs, words
 ):
+    from pair_dpo_trainer.config.sections import FsdpOptions
     from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
     from tests.dpo_fixtures import cpu_config
 
-    problems = fsdp2_problems(_plugin(monkeypatch, **plugin_kwargs), cpu_config(tmp_path, **config_kwargs))
+    fsdp = FsdpOptions.from_config(cpu_config(tmp_path, **config_kwargs))
+    problems = fsdp2_problems(_plugin(monkeypatch, **plugin_kwargs), fsdp)
     assert [code for code, _ in problems] == ["unsupported_combination"] and words in problems[0][1]
 
 
 def test_fsdp1_is_refused_from_training_arguments_and_from_the_launcher_environment(tmp_path, monkeypatch):
+    from pair_dpo_trainer.config.sections import FsdpOptions
     from pair_dpo_trainer.errors import ConfigError
     from pair_dpo_trainer.parallel.fsdp2 import check_fsdp_version, fsdp2_problems
     from tests.dpo_fixtures import cpu_config
 
     args = cpu_config(tmp_path)
-    check_fsdp_version(args)  # no FSDP asked for: nothing to refuse
+    check_fsdp_version(FsdpOptions.from_config(args))  # no FSDP asked for: nothing to refuse
     args.fsdp_plugin_args = {"fsdp_version": 1}
     with pytest.raises(ConfigError) as error:
-        check_fsdp_version(args)
+        check_fsdp_version(FsdpOptions.from_config(args))
     assert error.value.reason_code == "fsdp1_unsupported" and "fsdp_version': 2" in str(error.value)
     args.fsdp_plugin_args = None
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp1_unsupported"):
-        check_fsdp_version(args)
+        check_fsdp_version(FsdpOptions.from_config(args))
     stub = type("Plugin", (), {"fsdp_version": 1})()  # an FSDP1 plugin (it cannot be built on a CPU-only machine)
-    assert [code for code, _ in fsdp2_problems(stub, args)] == ["fsdp1_unsupported"]
+    assert [code for code, _ in fsdp2_problems(stub, FsdpOptions.from_config(args))] == ["fsdp1_unsupported"]
 
 
 def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_the_output_cast(tmp_path, monkeypatch):
@@ -339,11 +343,10 @@ def test_setup_fsdp2_installs_the_plugin_where_accelerate_dropped_it_and_clears_
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType
 
+    from pair_dpo_trainer.config.sections import FsdpOptions
     from pair_dpo_trainer.parallel import fsdp2
-    from tests.dpo_fixtures import cpu_config
 
-    args = cpu_config(tmp_path)
-    args.fsdp_plugin_args = {"fsdp_version": 2, "reshard_after_forward": True}
+    args = FsdpOptions(plugin_args={"fsdp_version": 2, "reshard_after_forward": True})
     state = type("State", (), {"distributed_type": DistributedType.MULTI_CPU, "mixed_precision": "bf16"})()
     accelerator = type("Accelerator", (), {"state": state, "device": torch.device("cpu")})()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)

@@ -12,6 +12,7 @@ import torch
 
 from pair_dpo_trainer import PairDPOTrainer
 from pair_dpo_trainer.collators import PackedPairCollator
+from pair_dpo_trainer.config.sections import BatchLimits, LayerOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
@@ -180,7 +181,9 @@ def test_auto_under_compile_measures_the_cheaper_modes_again_through_the_compile
         torch_compile_backend="aot_eager",
     )
     monkeypatch.setattr(training_layers, "optimizer_state_bytes", lambda _model: 0)
-    plan = training_layers.prepare_layers(model, None, args, probe=meter.probe, training=True)
+    budget = training_layers.Budget(args.max_tokens_per_microbatch, args.device, args.world_size)
+    layers = LayerOptions.from_config(args)
+    plan = training_layers.prepare_layers(model, None, layers, probe=meter.probe, training=True, budget=budget)
     assert meter.tried[0] == eager_off > limit  # eager "off" rejected, then the eager choice ...
     assert all(getattr(layer, "_compiled_call_impl", None) is not None for layer in model.model.layers)
     if room == "compiled_off_fits":
@@ -214,8 +217,10 @@ def test_the_budget_probe_runs_the_policy_forward_under_the_training_autocast(tm
         policy,
         lambda batch: packed_sequence_logps(reference, batch),
         PackedPairCollator(),
-        args,
+        BatchLimits.from_config(args),
         vocab_size=policy.config.vocab_size,
+        device=args.device,
+        chunk_size=args.logps_chunk_size,
         autocast=lambda: torch.autocast("cpu", dtype=torch.bfloat16),
     )
     probe()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback, TrainingArguments
+from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from pair_dpo_trainer.errors import Preempted, RunError
@@ -92,20 +92,6 @@ class GuardOptions:
     save_on_each_node: bool = False
     resume_settings: Mapping[str, Any] | None = None
 
-    @classmethod
-    def from_args(cls, args: TrainingArguments, resume_settings: Mapping[str, Any] | None = None) -> GuardOptions:
-        """The options of a run's ``TrainingArguments`` (a ``PairDPOConfig`` also sets the resume override)."""
-        return cls(
-            output_dir=str(args.output_dir),
-            ddp_timeout=float(args.ddp_timeout),
-            rank=int(args.process_index),
-            allow_resume_data_mismatch=bool(getattr(args, "allow_resume_data_mismatch", False)),
-            node_id=int(args.process_index - args.local_process_index),
-            local_main=args.local_process_index == 0,
-            save_on_each_node=bool(args.save_on_each_node),
-            resume_settings=resume_settings,
-        )
-
 
 class RunGuard:
     """Fault tolerance of one trainer's runs; each :meth:`session` reads the options as they are when it starts."""
@@ -136,7 +122,7 @@ class RunGuard:
     ) -> Iterator[str | None]:
         """Wraps one ``train()`` call; yields the checkpoint to resume from (None: fresh start). Every rank enters it.
 
-        ``options`` are what fault tolerance reads of the run's options (:meth:`GuardOptions.from_args`).
+        ``options`` are what fault tolerance reads of the run's options (``training.options.guard_options``).
 
         Raises:
             RunError: ``output_dir_in_use`` (on every rank), ``output_dir_not_shared`` (the nodes of a multi-node

@@ -9,26 +9,27 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ObjectiveOptions, ReferenceOptions
 from pair_dpo_trainer.config.trl_names import RENAMED_LOSS_TYPES
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.losses.base import F_DIVERGENCES
-from pair_dpo_trainer.losses.registry import LABEL_FREE_LOSSES, LABEL_SMOOTHING_LOSSES, OBJECTIVES, uses_reference
+from pair_dpo_trainer.losses.registry import LABEL_FREE_LOSSES, LABEL_SMOOTHING_LOSSES, OBJECTIVES
 
 
-def loss_problems(config: PairDPOConfig) -> list[Problem]:
-    """Every objective option of ``config`` that its objectives refuse (``config.loss_type`` is a list)."""
-    problems: list[Problem] = list(loss_type_problems(config.loss_type))
-    known = [name for name in config.loss_type if name in OBJECTIVES]
-    problems.extend(label_smoothing_problems(config.label_smoothing, known))
-    if config.f_divergence_type not in F_DIVERGENCES:
+def loss_problems(objective: ObjectiveOptions, reference: ReferenceOptions) -> list[Problem]:
+    """Every objective option that the run's objectives refuse (``reference``: whether the run has one to sync)."""
+    problems: list[Problem] = list(loss_type_problems(objective.loss_type))
+    known = [name for name in objective.loss_type if name in OBJECTIVES]
+    problems.extend(label_smoothing_problems(objective.label_smoothing, known))
+    if objective.f_divergence_type not in F_DIVERGENCES:
         problems.append(
             (
                 "bad_loss_option",
-                f"f_divergence_type={config.f_divergence_type!r}: use one of {sorted(F_DIVERGENCES)}.",
+                f"f_divergence_type={objective.f_divergence_type!r}: use one of {sorted(F_DIVERGENCES)}.",
             )
         )
-    problems.extend(("unsupported_combination", text) for text in loss_combination_problems(config, known))
+    combinations = loss_combination_problems(objective, reference, known)
+    problems.extend(("unsupported_combination", text) for text in combinations)
     return problems
 
 
@@ -75,21 +76,23 @@ def label_smoothing_problems(label_smoothing: float, known: Sequence[str]) -> li
     return problems
 
 
-def loss_combination_problems(config: PairDPOConfig, known: Sequence[str]) -> list[str]:
+def loss_combination_problems(
+    objective: ObjectiveOptions, reference: ReferenceOptions, known: Sequence[str]
+) -> list[str]:
     """Objective options that cannot apply together (reason code ``unsupported_combination``)."""
     problems: list[str] = []
     plain = sorted({name for name in known if not OBJECTIVES[name].f_divergence})
-    if config.f_divergence_type != "reverse_kl" and plain:
+    if objective.f_divergence_type != "reverse_kl" and plain:
         problems.append(
-            f"f_divergence_type={config.f_divergence_type!r} applies only to objectives on the chosen-rejected "
+            f"f_divergence_type={objective.f_divergence_type!r} applies only to objectives on the chosen-rejected "
             f"reward difference; {plain} have no f-divergence form (f-DPO's log Z term cancels only in that "
             "difference): use f_divergence_type='reverse_kl' or other objectives."
         )
     sorting = sorted({name for name in known if OBJECTIVES[name].sorts_step})
-    if config.use_weighting and sorting:
+    if objective.use_weighting and sorting:
         problems.append(
             f"use_weighting (WPO) cannot weight {sorting}: they sort pairs, so a pair's loss is not its own."
         )
-    if config.sync_ref_model and not uses_reference(config.loss_type, reference_free=config.reference_free):
+    if reference.sync_ref_model and not reference.uses_reference:
         problems.append("sync_ref_model=True updates a reference, but this run builds none (reference-free).")
     return problems

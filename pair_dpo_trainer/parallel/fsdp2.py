@@ -16,25 +16,23 @@ import dataclasses
 import logging
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pair_dpo_trainer.config.sections import FsdpOptions
 from pair_dpo_trainer.errors import ConfigError, Problem
 from pair_dpo_trainer.modeling.wrappers import is_fsdp_managed
-
-if TYPE_CHECKING:
-    from transformers import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
 
-def requested_fsdp_plugin(args: TrainingArguments) -> Any:
+def requested_fsdp_plugin(fsdp: FsdpOptions) -> Any:
     """The FSDP plugin the run asks for (TrainingArguments ``fsdp`` / ``fsdp_config``, else ``accelerate launch``'s
     ``ACCELERATE_USE_FSDP`` environment), or None. Built the way the Trainer and Accelerate build it."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    plugin_args = fsdp.plugin_args
     if plugin_args is not None:
         return FullyShardedDataParallelPlugin(**plugin_args)
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -42,10 +40,10 @@ def requested_fsdp_plugin(args: TrainingArguments) -> Any:
     return None
 
 
-def requested_fsdp_version(args: TrainingArguments) -> int | None:
+def requested_fsdp_version(fsdp: FsdpOptions) -> int | None:
     """The FSDP version the run asks for (TrainingArguments, else ``accelerate launch``'s ``FSDP_VERSION``), or None
     without FSDP; read before Accelerate builds the plugin (an FSDP1 plugin fails to build on a CPU-only machine)."""
-    plugin_args = getattr(args, "fsdp_plugin_args", None)
+    plugin_args = fsdp.plugin_args
     if plugin_args is not None:
         return int(plugin_args.get("fsdp_version", 1))
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
@@ -53,13 +51,13 @@ def requested_fsdp_version(args: TrainingArguments) -> int | None:
     return None
 
 
-def check_fsdp_version(args: TrainingArguments) -> None:
+def check_fsdp_version(fsdp: FsdpOptions) -> None:
     """Refuses FSDP1 before Accelerate builds its plugin.
 
     Raises:
         ConfigError: ``fsdp1_unsupported``.
     """
-    version = requested_fsdp_version(args)
+    version = requested_fsdp_version(fsdp)
     if version is not None and version != 2:
         raise ConfigError(*_fsdp1_problem(version))
 
@@ -72,17 +70,17 @@ def _fsdp1_problem(version: Any) -> tuple[str, str]:
     )
 
 
-def find_fsdp2_plugin(accelerator: Any, args: TrainingArguments) -> Any:
-    """The run's FSDP plugin (Accelerate's, else the one ``args`` asks for where Accelerate dropped it: CPU
+def find_fsdp2_plugin(accelerator: Any, fsdp: FsdpOptions) -> Any:
+    """The run's FSDP plugin (Accelerate's, else the one ``fsdp`` asks for where Accelerate dropped it: CPU
     processes), or None without FSDP; not yet checked (``fsdp2_problems``) nor installed (:func:`setup_fsdp2`)."""
     from accelerate.utils import DistributedType
 
     state = accelerator.state
     plugin = getattr(state, "fsdp_plugin", None) if state.distributed_type == DistributedType.FSDP else None
-    return plugin if plugin is not None else requested_fsdp_plugin(args)
+    return plugin if plugin is not None else requested_fsdp_plugin(fsdp)
 
 
-def setup_fsdp2(accelerator: Any, args: TrainingArguments) -> Any:
+def setup_fsdp2(accelerator: Any, fsdp: FsdpOptions) -> Any:
     """The trainer's entry point, right after the Accelerator exists: returns the run's FSDP2 plugin, or None.
 
     Installs the plugin in Accelerate's state when Accelerate dropped it (CPU processes) and clears its output cast
@@ -91,11 +89,11 @@ def setup_fsdp2(accelerator: Any, args: TrainingArguments) -> Any:
 
     Args:
         accelerator: The Trainer's ``Accelerator``.
-        args: The run's ``TrainingArguments``.
+        fsdp: The run's FSDP section (what ``TrainingArguments`` asks of FSDP).
     """
     from accelerate.utils import DistributedType
 
-    plugin = find_fsdp2_plugin(accelerator, args)
+    plugin = find_fsdp2_plugin(accelerator, fsdp)
     if plugin is None:
         return None
     if accelerator.state.distributed_type != DistributedType.FSDP:
@@ -106,12 +104,12 @@ def setup_fsdp2(accelerator: Any, args: TrainingArguments) -> Any:
     return plugin
 
 
-def fsdp2_problems(plugin: Any, args: TrainingArguments, *, process_group: bool = True) -> list[Problem]:
+def fsdp2_problems(plugin: Any, fsdp: FsdpOptions, *, process_group: bool = True) -> list[Problem]:
     """``(reason_code, message)`` for every FSDP setting pair DPO does not run (an empty list: supported).
 
     Args:
         plugin: The run's FSDP plugin.
-        args: The run's ``TrainingArguments`` (the Trainer's checkpointing and saving fields).
+        fsdp: The run's FSDP section (the Trainer's checkpointing and saving fields).
         process_group: Whether ``torch.distributed`` is initialised (FSDP2 needs one).
     """
     if int(getattr(plugin, "fsdp_version", 1)) != 2:
@@ -127,7 +125,7 @@ def fsdp2_problems(plugin: Any, args: TrainingArguments, *, process_group: bool 
                 "(or copied from the policy) and verified on every rank: set fsdp_cpu_ram_efficient_loading: false.",
             )
         )
-    if getattr(args, "parallelism_config", None) is not None:
+    if fsdp.parallelism_config:
         problems.append(
             (
                 "unsupported_combination",
@@ -135,8 +133,8 @@ def fsdp2_problems(plugin: Any, args: TrainingArguments, *, process_group: bool 
                 "data-parallel only (packed rows are not split across ranks): remove parallelism_config.",
             )
         )
-    problems.extend(_checkpointing_problems(plugin, args))
-    if args.save_only_model and ("SHARDED" in str(plugin.state_dict_type) or args.load_best_model_at_end):
+    problems.extend(_checkpointing_problems(plugin, fsdp))
+    if fsdp.save_only_model and ("SHARDED" in str(plugin.state_dict_type) or fsdp.load_best_model_at_end):
         problems.append(
             (
                 "unsupported_combination",
@@ -148,12 +146,12 @@ def fsdp2_problems(plugin: Any, args: TrainingArguments, *, process_group: bool 
     return problems
 
 
-def _checkpointing_problems(plugin: Any, args: TrainingArguments) -> list[Problem]:
+def _checkpointing_problems(plugin: Any, fsdp: FsdpOptions) -> list[Problem]:
     """FSDP's activation checkpointing with the Trainer's, or with ``torch_compile`` (the decoder layers are compiled
     in place before Accelerate wraps them for checkpointing, the reverse of Accelerate's own order: not verified)."""
     if not getattr(plugin, "activation_checkpointing", False):
         return []
-    if getattr(args, "activation_checkpointing", False) or args.gradient_checkpointing:
+    if fsdp.gradient_checkpointing:
         return [
             (
                 "unsupported_combination",
@@ -161,7 +159,7 @@ def _checkpointing_problems(plugin: Any, args: TrainingArguments) -> list[Proble
                 "layer: keep one (fsdp_activation_checkpointing: true and gradient_checkpointing=False under FSDP).",
             )
         ]
-    if args.torch_compile:
+    if fsdp.torch_compile:
         return [
             (
                 "unsupported_combination",

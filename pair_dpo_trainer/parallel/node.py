@@ -15,13 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from pair_dpo_trainer.errors import Preempted, ScheduleError, freeze_exception, thaw_exception
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
-
-if TYPE_CHECKING:
-    from transformers import TrainingArguments
 
 T = TypeVar("T")
 
@@ -61,16 +58,6 @@ class Node:
     world_size: int = 1
     stall_timeout: float = 1800.0
     store: Any = None
-
-    @classmethod
-    def from_args(cls, args: TrainingArguments) -> Node:
-        """The node of a ``TrainingArguments`` process (its ranks, world size and ``ddp_timeout``)."""
-        return cls(
-            node_id=args.process_index - args.local_process_index,
-            is_local_main=args.local_process_index == 0,
-            world_size=args.world_size,
-            stall_timeout=float(args.ddp_timeout),
-        )
 
     def once(self, work: Callable[[], T]) -> Shared:
         """Runs ``work`` on the local main only; returns its result on every rank of the node (module docstring).

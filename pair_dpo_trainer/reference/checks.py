@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ReferenceOptions
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.integrity.layout import is_pinned_revision
-from pair_dpo_trainer.losses.registry import no_reference_reason, uses_reference
 from pair_dpo_trainer.reference.deepspeed import reference_zero_stage_problems
 from pair_dpo_trainer.reference.fsdp import fsdp_reference_problems
 
@@ -22,27 +21,27 @@ IGNORED_WITHOUT_REFERENCE = ("ref_model_name_or_path", "ref_model_revision", "re
 ``reference_free`` or to a reference-free objective is one option)."""
 
 
-def ignored_reference_settings(args: PairDPOConfig, *, ref_model_given: bool = False) -> list[str]:
-    """The reference settings of ``args`` (and a ``ref_model`` object) that a reference-free run does not use.
+def ignored_reference_settings(reference: ReferenceOptions, *, ref_model_given: bool = False) -> list[str]:
+    """The reference settings (and a ``ref_model`` object) that a reference-free run does not use.
 
     Example:
-        >>> config = PairDPOConfig(output_dir="out", reference_free=True, ref_model_revision="a" * 40)
-        >>> ignored_reference_settings(config, ref_model_given=True)
+        >>> options = ReferenceOptions(uses_reference=False, ref_model_revision="a" * 40)
+        >>> ignored_reference_settings(options, ref_model_given=True)
         ['ref_model_revision', 'ref_model']
     """
-    if uses_reference(args.loss_type, reference_free=args.reference_free):
+    if reference.uses_reference:
         return []
-    ignored = [name for name in IGNORED_WITHOUT_REFERENCE if getattr(args, name) is not None]
+    ignored = [name for name in IGNORED_WITHOUT_REFERENCE if getattr(reference, name) is not None]
     return ignored + (["ref_model"] if ref_model_given else [])
 
 
-def reference_option_problems(args: PairDPOConfig) -> list[Problem]:
+def reference_option_problems(reference: ReferenceOptions) -> list[Problem]:
     """A precomputed reference in a run without one, and a revision that is not a full commit (the other reference
     settings of a reference-free run are ignored: :func:`ignored_reference_settings`)."""
     problems: list[Problem] = []
-    if not uses_reference(args.loss_type, reference_free=args.reference_free):
-        reason = no_reference_reason(args.loss_type, reference_free=args.reference_free)
-        if args.precompute_ref_log_probs:
+    if not reference.uses_reference:
+        reason = reference.no_reference_reason
+        if reference.precompute_ref_log_probs:
             problems.append(
                 (
                     "unsupported_combination",
@@ -50,30 +49,25 @@ def reference_option_problems(args: PairDPOConfig) -> list[Problem]:
                     "are used): set precompute_ref_log_probs=False.",
                 )
             )
-    uses = uses_reference(args.loss_type, reference_free=args.reference_free)
-    if uses and args.ref_model_revision is not None and not is_pinned_revision(args.ref_model_revision):
+    revision = reference.ref_model_revision
+    if reference.uses_reference and revision is not None and not is_pinned_revision(revision):
         problems.append(
             (
                 "revision_not_pinned",
-                f"ref_model_revision={args.ref_model_revision!r}: give the full 40-hex lowercase commit (branch "
+                f"ref_model_revision={revision!r}: give the full 40-hex lowercase commit (branch "
                 "names, tags and short SHAs move or are ambiguous).",
             )
         )
     return problems
 
 
-def adapter_disabled_reference(args: PairDPOConfig, *, peft_policy: bool, ref_model_given: bool) -> bool:
+def adapter_disabled_reference(reference: ReferenceOptions, *, peft_policy: bool, ref_model_given: bool) -> bool:
     """Whether the reference is the PEFT policy with its adapters disabled (no separate model)."""
-    return (
-        uses_reference(args.loss_type, reference_free=args.reference_free)
-        and not ref_model_given
-        and not args.ref_model_name_or_path
-        and peft_policy
-    )
+    return reference.uses_reference and not ref_model_given and not reference.ref_model_name_or_path and peft_policy
 
 
 def reference_run_problems(
-    args: PairDPOConfig,
+    reference: ReferenceOptions,
     *,
     deepspeed_config: Mapping[str, Any] | None,
     fsdp: bool,
@@ -82,9 +76,9 @@ def reference_run_problems(
 ) -> list[Problem]:
     """The reference options that do not fit this run (what ``reference.build`` would otherwise ignore or fail on)."""
     deepspeed = deepspeed_config is not None
-    peft_reference = adapter_disabled_reference(args, peft_policy=peft_policy, ref_model_given=ref_model_given)
+    peft_reference = adapter_disabled_reference(reference, peft_policy=peft_policy, ref_model_given=ref_model_given)
     problems: list[Problem] = []
-    if args.ref_offload_params and not deepspeed and not fsdp:
+    if reference.ref_offload_params and not deepspeed and not fsdp:
         problems.append(
             (
                 "unsupported_combination",
@@ -92,26 +86,23 @@ def reference_run_problems(
                 "but this run uses neither: launch with a ZeRO-3 or FSDP2 config, or leave ref_offload_params unset.",
             )
         )
-    problems.extend(fsdp_reference_problems(args, fsdp=fsdp, peft_reference=peft_reference))
-    if args.ref_zero_stage is not None and not deepspeed:
+    problems.extend(fsdp_reference_problems(reference, fsdp=fsdp, peft_reference=peft_reference))
+    stage = reference.ref_zero_stage
+    if stage is not None and not deepspeed:
         problems.append(
             (
                 "unsupported_combination",
-                f"ref_zero_stage={args.ref_zero_stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
+                f"ref_zero_stage={stage} sets the ZeRO stage of a DeepSpeed reference engine, but this "
                 "run does not use DeepSpeed: launch with a DeepSpeed config, or leave ref_zero_stage unset.",
             )
         )
-    if (
-        deepspeed_config is not None
-        and uses_reference(args.loss_type, reference_free=args.reference_free)
-        and not peft_reference
-    ):
+    if deepspeed_config is not None and reference.uses_reference and not peft_reference:
         problems.extend(
             reference_zero_stage_problems(
-                deepspeed_config, zero_stage=args.ref_zero_stage, offload_params=args.ref_offload_params
+                deepspeed_config, zero_stage=reference.ref_zero_stage, offload_params=reference.ref_offload_params
             )
         )
-    if args.sync_ref_model and (deepspeed or fsdp):
+    if reference.sync_ref_model and (deepspeed or fsdp):
         problems.append(
             (
                 "unsupported_combination",
@@ -121,13 +112,13 @@ def reference_run_problems(
             )
         )
     if peft_reference:
-        problems.extend(_adapter_disabled_reference_problems(args))
+        problems.extend(_adapter_disabled_reference_problems(reference))
     return problems
 
 
-def _adapter_disabled_reference_problems(args: PairDPOConfig) -> list[Problem]:
+def _adapter_disabled_reference_problems(reference: ReferenceOptions) -> list[Problem]:
     problems: list[Problem] = []
-    if args.sync_ref_model:
+    if reference.sync_ref_model:
         problems.append(
             (
                 "unsupported_combination",
@@ -136,7 +127,7 @@ def _adapter_disabled_reference_problems(args: PairDPOConfig) -> list[Problem]:
                 "sync_ref_model=False.",
             )
         )
-    if args.ref_zero_stage is not None or args.ref_offload_params or args.ref_fsdp_shard is not None:
+    if reference.ref_zero_stage is not None or reference.ref_offload_params or reference.ref_fsdp_shard is not None:
         problems.append(
             (
                 "unsupported_combination",

@@ -37,9 +37,10 @@ HIDDEN_SIZE_KEYS: dict[str, Callable[[int], int]] = {
 """ZeRO-3 tuning keys derived from the hidden size ``h`` when the configuration leaves them unset or ``"auto"``."""
 
 
-def hidden_size_of(config: Any) -> int | None:
-    """The model's hidden size (the largest of ``hidden_sizes``; a multimodal model's text config), or None."""
-    for cfg in (config, getattr(config, "text_config", None)):
+def hidden_size_of(model_config: Any) -> int | None:
+    """The hidden size of a model's ``config`` (the largest of ``hidden_sizes``; a multimodal model's text config), or
+    None."""
+    for cfg in (model_config, getattr(model_config, "text_config", None)):
         if cfg is None:
             continue
         if isinstance(getattr(cfg, "hidden_size", None), int):

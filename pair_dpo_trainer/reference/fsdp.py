@@ -13,9 +13,8 @@ from typing import Any
 
 import torch
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import LayerOptions, ReferenceOptions
 from pair_dpo_trainer.errors import ConfigError
-from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8
 from pair_dpo_trainer.modeling.layers import find_decoder_layers
@@ -25,29 +24,30 @@ from pair_dpo_trainer.reference.base import FrozenReference
 logger = logging.getLogger(__name__)
 
 
-def fsdp_reference_problems(args: PairDPOConfig, *, fsdp: bool, peft_reference: bool) -> list[tuple[str, str]]:
+def fsdp_reference_problems(reference: ReferenceOptions, *, fsdp: bool, peft_reference: bool) -> list[tuple[str, str]]:
     """``(reason_code, message)`` for reference options that do not fit the run's FSDP setting.
 
     Args:
-        args: The run's ``PairDPOConfig``.
+        reference: The run's reference section.
         fsdp: Whether the policy runs under FSDP2.
         peft_reference: Whether the reference is the PEFT policy with its adapters disabled.
     """
     if (
-        not uses_reference(args.loss_type, reference_free=args.reference_free) and args.ref_fsdp_shard is not None
+        not reference.uses_reference and reference.ref_fsdp_shard is not None
     ):  # reference_free or reference-free objectives
         return [("unsupported_combination", "this run builds no reference (reference-free): remove ref_fsdp_shard.")]
     if not fsdp:
-        if args.ref_fsdp_shard is None:
+        shard = reference.ref_fsdp_shard
+        if shard is None:
             return []
         return [
             (
                 "unsupported_combination",
-                f"ref_fsdp_shard={args.ref_fsdp_shard} sets the layout of an FSDP2 reference, but this run does not "
+                f"ref_fsdp_shard={shard} sets the layout of an FSDP2 reference, but this run does not "
                 "use FSDP2: launch with an FSDP2 config (accelerate_configs/fsdp2.yaml) or leave ref_fsdp_shard unset.",
             )
         ]
-    if peft_reference and args.precompute_ref_log_probs:
+    if peft_reference and reference.precompute_ref_log_probs:
         return [
             (
                 "unsupported_combination",
@@ -62,7 +62,12 @@ def fsdp_reference_problems(args: PairDPOConfig, *, fsdp: bool, peft_reference: 
 
 
 def build_fsdp_reference(
-    model: torch.nn.Module, *, plugin: Any, args: PairDPOConfig, device: torch.device | str
+    model: torch.nn.Module,
+    *,
+    plugin: Any,
+    reference: ReferenceOptions,
+    layers: LayerOptions,
+    device: torch.device | str,
 ) -> FrozenReference:
     """The reference of an FSDP2 run, sharded or replicated (see the module docstring).
 
@@ -70,8 +75,8 @@ def build_fsdp_reference(
         model: The loaded reference (whole, on the CPU, packed attention configured), or a module already sharded
             with ``fully_shard`` (used as it is).
         plugin: The run's FSDP2 plugin (compute dtype, offloading).
-        args: The run's ``PairDPOConfig`` (``ref_fsdp_shard``, ``ref_offload_params``, ``torch_compile*``,
-            ``logps_chunk_size``).
+        reference: The run's reference section (``ref_fsdp_shard``, ``ref_offload_params``).
+        layers: The run's layer section (``fp8``, ``torch_compile*``, ``logps_chunk_size``).
         device: The device of this rank.
 
     Raises:
@@ -80,7 +85,7 @@ def build_fsdp_reference(
     """
     from torch.distributed.fsdp import FSDPModule
 
-    shard = args.ref_fsdp_shard is not False
+    shard = reference.ref_fsdp_shard is not False
     if isinstance(model, FSDPModule):
         if not shard:
             raise ConfigError(
@@ -88,22 +93,23 @@ def build_fsdp_reference(
                 "the ref_model object is already sharded with fully_shard, but ref_fsdp_shard=False replicates the "
                 "reference: pass an unsharded model (or ref_model_name_or_path), or leave ref_fsdp_shard unset.",
             )
-        return FrozenReference(model, chunk_size=args.logps_chunk_size)
+        return FrozenReference(model, chunk_size=layers.logps_chunk_size)
     dtype = compute_dtype(plugin)
     model = model.eval().requires_grad_(False)
     if dtype is not None:
         cast_parameters(model, dtype)
-    if args.fp8 is not None:  # the policy's recipe, before sharding (training.layers converts the policy)
-        convert_to_fp8(model, args.fp8, fsdp_float8_all_gather=shard and args.fp8 == "tensorwise")
-    if args.torch_compile:
-        compile_decoder_layers(model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode)
+    if layers.fp8 is not None:  # the policy's recipe, before sharding (training.layers converts the policy)
+        convert_to_fp8(model, layers.fp8, fsdp_float8_all_gather=shard and layers.fp8 == "tensorwise")
+    if layers.torch_compile:
+        compile_decoder_layers(model, backend=layers.compile_backend, mode=layers.torch_compile_mode)
     if shard:
-        offload = offloads_params(plugin) if args.ref_offload_params is None else args.ref_offload_params
+        offload = reference.ref_offload_params
+        offload = offloads_params(plugin) if offload is None else offload
         shard_reference(model, offload=offload)
     else:
         model = model.to(device)
     logger.info("FSDP2 reference: %s, %s", "sharded" if shard else "replicated", dtype or "parameter dtype")
-    return FrozenReference(model, chunk_size=args.logps_chunk_size)
+    return FrozenReference(model, chunk_size=layers.logps_chunk_size)
 
 
 def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:

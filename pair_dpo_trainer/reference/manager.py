@@ -16,10 +16,9 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, LayerOptions, ReferenceOptions, ScheduleOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import ReferenceIdentity, parameter_digest, read_identity
-from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.parallel.gather import gathered_named_parameters
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.build import build_reference
@@ -44,7 +43,8 @@ class ReferenceManager:
     """Owns the run's reference and identity.
 
     Args:
-        args: The run's ``PairDPOConfig``.
+        options: The run's reference section (``uses_reference``, precompute, TR-DPO, the engine options).
+        layers: The run's layer section (how an in-process reference runs).
         policy: The policy before any training step (unwrapped).
         source: The reference's provenance (None when reference-free).
         ref_model: An explicit reference model, if the user passed one.
@@ -52,6 +52,11 @@ class ReferenceManager:
         mixed_precision: The accelerator's mixed precision (``"no"``, ``"bf16"``, ``"fp16"``), for the cache key.
         fsdp_plugin: The run's FSDP2 plugin when FSDP2 is enabled (the reference is then sharded or replicated by
             :mod:`~pair_dpo_trainer.reference.fsdp`), else None.
+        share_prompt: The run's packed layout (the precompute pass packs its rows the same way).
+        limits / schedule / data: The run's batch limits, schedule and data sections (the precompute pass and its
+            cache key).
+        device: This rank's device.
+        should_save: This process writes files (the precompute cache).
 
     Attributes:
         builds: How many times a reference model was built (0 after a precompute cache hit).
@@ -61,18 +66,28 @@ class ReferenceManager:
 
     def __init__(
         self,
-        args: PairDPOConfig,
+        options: ReferenceOptions,
+        layers: LayerOptions,
         policy: PreTrainedModel,
         *,
         source: ReferenceSource | None,
         ref_model: PreTrainedModel | None,
         deepspeed_config: Mapping[str, Any] | None,
+        limits: BatchLimits,
+        schedule: ScheduleOptions,
+        data: DataOptions,
+        device: torch.device | str,
+        should_save: bool = True,
         mixed_precision: str = "no",
         fsdp_plugin: Any = None,
         share_prompt: bool = False,
     ) -> None:
-        self.args = args
-        self.share_prompt = share_prompt  # the run's packed layout: the precompute pass packs its rows the same way
+        self.options = options
+        self.layers = layers
+        self.limits, self.schedule, self.data = limits, schedule, data
+        self.device = device
+        self.should_save = should_save
+        self.share_prompt = share_prompt
         self.source = source
         self.builds = 0
         self._policy = policy
@@ -86,10 +101,10 @@ class ReferenceManager:
         self._logps: dict[int, tuple[Any, torch.Tensor]] = {}  # id(dataset) -> (dataset, [N, 2] logps)
         self._key_reference: dict[str, Any] | None = None
         self._synced_step: int | None = None  # TR-DPO: step of the last sync (None: the reference is the snapshot)
-        lazy = deepspeed_config is not None or args.precompute_ref_log_probs
-        if not uses_reference(args.loss_type, reference_free=args.reference_free) or not lazy:
+        lazy = deepspeed_config is not None or options.precompute_ref_log_probs
+        if not options.uses_reference or not lazy:
             self._build()
-        if args.precompute_ref_log_probs:
+        if options.precompute_ref_log_probs:
             self._key_reference = self._reference_key()  # the starting weights: before any step or restore
 
     @property
@@ -99,7 +114,7 @@ class ReferenceManager:
         Raises:
             ConfigError: ``ref_logps_missing`` for a precomputed run before ``train()`` / ``evaluate()``.
         """
-        if self._reference is None and not self.args.precompute_ref_log_probs:
+        if self._reference is None and not self.options.precompute_ref_log_probs:
             self._build()
         if self._reference is None:
             raise ConfigError(
@@ -113,8 +128,7 @@ class ReferenceManager:
     def runs_reference_forward(self) -> bool:
         """Whether each training micro-batch runs a reference forward (a reference that is neither absent nor
         precomputed)."""
-        uses = uses_reference(self.args.loss_type, reference_free=self.args.reference_free)
-        return uses and not self.args.precompute_ref_log_probs
+        return self.options.runs_forward
 
     @property
     def reference_if_built(self) -> Reference | None:
@@ -139,9 +153,9 @@ class ReferenceManager:
             SnapshotIntegrityError: ``identity_missing`` / ``reference_changed`` (see ``check_resume_identity``),
                 before any pass over the data.
         """
-        if not uses_reference(self.args.loss_type, reference_free=self.args.reference_free):
+        if not self.options.uses_reference:
             return
-        if self.args.precompute_ref_log_probs:
+        if self.options.precompute_ref_log_probs:
             self._precompute(datasets, resume_from_checkpoint)
         elif self._reference is None:
             self._build()
@@ -152,7 +166,7 @@ class ReferenceManager:
 
     def attach(self, dataset: Any) -> Any:
         """``dataset`` with its precomputed log-probs as features (unchanged when nothing was precomputed)."""
-        if not self.args.precompute_ref_log_probs or dataset is None:
+        if not self.options.precompute_ref_log_probs or dataset is None:
             return dataset
         entry = self._logps.get(id(dataset))
         return dataset if entry is None else WithRefLogps(dataset, entry[1])
@@ -162,7 +176,7 @@ class ReferenceManager:
         """TR-DPO at an optimizer-step boundary: ``ref <- alpha * policy + (1 - alpha) * ref`` (every rank)."""
         from pair_dpo_trainer.reference.sync import mix_into_reference
 
-        mix_into_reference(self._synced_model(), policy, self.args.ref_model_mixup_alpha)
+        mix_into_reference(self._synced_model(), policy, self.options.ref_model_mixup_alpha)
         self._synced_step = int(step)
 
     def _synced_model(self) -> torch.nn.Module:
@@ -182,8 +196,8 @@ class ReferenceManager:
             self.source,
             self._reference,
             vocab_size=self._policy.config.vocab_size,
-            device=self.args.device,
-            sequence_shard=self.args.sequence_shard,
+            device=self.device,
+            sequence_shard=self.schedule.sequence_shard,
         )
         self._identity = dataclasses.replace(identity, synced_step=self._synced_step)
 
@@ -205,7 +219,7 @@ class ReferenceManager:
     def _restore_synced(self, checkpoint_dir: str) -> None:
         """With ``sync_ref_model``, loads a checkpoint's synced reference weights (when it recorded a sync) and
         re-identifies the reference, so the resume check compares the synced weights, not the snapshot."""
-        if not self.args.sync_ref_model:
+        if not self.options.sync_ref_model:
             return
         try:
             recorded = read_identity(checkpoint_dir)
@@ -223,14 +237,16 @@ class ReferenceManager:
     def _build(self) -> None:
         """Builds the reference and, for a non-free reference, its identity (collective under ZeRO-3)."""
         self._reference = build_reference(
-            self.args,
+            self.options,
+            self.layers,
             self._policy,
             source=self.source,
             ref_model=self._ref_model,
+            device=self.device,
             deepspeed_config=self._deepspeed_config,
             fsdp_plugin=self._fsdp_plugin,
         )
-        if self.args.sync_ref_model:  # TR-DPO: refuse a reference it cannot mix now, not at the first sync
+        if self.options.sync_ref_model:  # TR-DPO: refuse a reference it cannot mix now, not at the first sync
             from pair_dpo_trainer.reference.sync import require_mixable
 
             require_mixable(self._synced_model(), self._policy)
@@ -282,7 +298,7 @@ class ReferenceManager:
 
         keys = {name: self._key(ds) for name, ds in pending.items()}
         assert_ranks_agree("reference log-prob cache keys", repr([cache_path("", key).name for key in keys.values()]))
-        path = {name: cache_path(self.args.ref_logps_cache_path, key) for name, key in keys.items()}
+        path = {name: cache_path(self.options.ref_logps_cache_path, key) for name, key in keys.items()}
         entries = {name: read_cache(path[name], keys[name], len(ds)) for name, ds in pending.items()}
         rank_flags = all_gather_cpu([entries[name] is not None for name in pending])  # a hit only if on every rank
         hits = dict(zip(pending, (all(flags) for flags in zip(*rank_flags, strict=True)), strict=True))
@@ -296,9 +312,18 @@ class ReferenceManager:
                 if resume_from_checkpoint:  # refuse a changed reference before the (long) pass
                     check_resume_identity(resume_from_checkpoint, self._built_identity())
                     self._checked = resume_from_checkpoint
-            logps = compute_ref_logps(self._reference, ds, args=self.args, desc=name, share_prompt=self.share_prompt)
+            logps = compute_ref_logps(
+                self._reference,
+                ds,
+                schedule=self.schedule,
+                data=self.data,
+                limits=self.limits,
+                device=self.device,
+                desc=name,
+                share_prompt=self.share_prompt,
+            )
             entry = CacheEntry(logps=logps, identity=self._built_identity().to_dict())
-            if self.args.should_save:
+            if self.should_save:
                 write_cache(path[name], keys[name], entry)
             self._remember(ds, entry)
         if not isinstance(self._reference, PrecomputedReference):
@@ -308,7 +333,7 @@ class ReferenceManager:
         return cache_key(
             fingerprint=dataset_fingerprint(dataset),
             reference=cast("dict[str, Any]", self._key_reference),  # set in __init__ for a precomputed run
-            args=self.args,
+            limits=self.limits,
             precision=self._precision,
             share_prompt=self.share_prompt,
         )

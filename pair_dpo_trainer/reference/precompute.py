@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader
 from pair_dpo_trainer.atomic import atomic_open
 from pair_dpo_trainer.collators.batch import REF_LOGPS_KEYS, PackedPairBatch, pair_rows
 from pair_dpo_trainer.collators.packed import PackedPairCollator
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, ScheduleOptions
 from pair_dpo_trainer.data.arrow import arrow_lengths, is_arrow_dataset, scan
 from pair_dpo_trainer.data.costs import pair_cost_array
 from pair_dpo_trainer.data.tokenize import FEATURE_COLUMNS
@@ -134,14 +134,14 @@ def dataset_fingerprint(dataset: Any) -> str:
 
 
 def cache_key(
-    *, fingerprint: str, reference: Mapping[str, Any], args: PairDPOConfig, precision: str, share_prompt: bool = False
+    *, fingerprint: str, reference: Mapping[str, Any], limits: BatchLimits, precision: str, share_prompt: bool = False
 ) -> dict[str, Any]:
     """Everything the precomputed values depend on (see the module docstring).
 
     Args:
         fingerprint: :func:`dataset_fingerprint` of the dataset.
         reference: ``{"pinned": bool, "digest": manifest digest (pinned) or parameter digest (unpinned)}``.
-        args: The run's ``PairDPOConfig``.
+        limits: The run's batch limits (``max_length``, ``max_prompt_length``, ``ld_alpha``).
         precision: The reference's compute precision (e.g. ``"float32|no"``).
         share_prompt: The pass packs the shared-prompt layout: the same values up to rounding, not bit for bit, so
             a cache of one layout is not read by the other (``"layout"`` in the key; absent for the unshared one).
@@ -152,12 +152,12 @@ def cache_key(
         "format": CACHE_FORMAT,
         "dataset": fingerprint,
         "reference": dict(reference),
-        "max_length": int(args.max_length),
-        "max_prompt_length": int(args.max_prompt_length),  # type: ignore[arg-type]  # set by __post_init__
+        "max_length": int(limits.max_length),
+        "max_prompt_length": int(limits.max_prompt_length),
         "precision": precision,
         "pair_dpo_trainer": __version__,
     }
-    ld_alpha = getattr(args, "ld_alpha", None)
+    ld_alpha = limits.ld_alpha
     if ld_alpha is not None:  # LD-DPO weights the reference's sums too (only then in the key)
         key["ld_alpha"] = float(ld_alpha)
     if share_prompt:
@@ -210,7 +210,15 @@ def write_cache(path: Path, key: Mapping[str, Any], entry: CacheEntry) -> Path:
 
 
 def compute_ref_logps(
-    reference: Any, dataset: Any, *, args: PairDPOConfig, desc: str, share_prompt: bool = False
+    reference: Any,
+    dataset: Any,
+    *,
+    schedule: ScheduleOptions,
+    data: DataOptions,
+    limits: BatchLimits,
+    device: torch.device | str,
+    desc: str,
+    share_prompt: bool = False,
 ) -> torch.Tensor:
     """One pass of ``reference`` over ``dataset``, each rank its share; returns ``[N, 2]`` float32 on every rank.
 
@@ -221,34 +229,38 @@ def compute_ref_logps(
     Args:
         reference: A built reference (``sequence_logps``).
         dataset: Tokenised pairs.
-        args: The run's ``PairDPOConfig`` (layout, device, dataloader settings, ``disable_tqdm``).
+        schedule: The run's schedule section (ranks, ``per_device_eval_batch_size``, the token budget).
+        data: The run's data section (``dataloader_num_workers``, progress bars).
+        limits: The run's batch limits (``ld_alpha``).
+        device: This rank's device.
         desc: Name of the dataset for the progress bar and messages.
         share_prompt: Pack the shared-prompt layout (the run's, so the budget holds the same pairs).
     """
     sampler = EvalBatchSampler(
         pair_cost_array(dataset, share_prompt=share_prompt),
-        world_size=args.data_parallel_size,
-        rank=args.data_parallel_rank,
-        pairs_per_microbatch=args.per_device_eval_batch_size,
-        max_tokens_per_microbatch=args.row_token_budget,
+        world_size=schedule.world_size,
+        rank=schedule.rank,
+        pairs_per_microbatch=schedule.eval_pairs_per_microbatch,
+        max_tokens_per_microbatch=schedule.max_tokens_per_microbatch,
     )
     assert_ranks_agree(f"{desc} reference pass", f"{len(dataset)}:{len(sampler)}")
     view: Any = WeightedPairs(dataset)  # a map-style dataset (``__getitem__`` / ``__len__``), not a torch Dataset
     loader: DataLoader[dict[str, Any]] = DataLoader(
         view,
         batch_sampler=sampler,
-        collate_fn=PackedPairCollator(share_prompt=share_prompt, sequence_shard=args.sequence_shard),
-        num_workers=args.dataloader_num_workers,
+        collate_fn=PackedPairCollator(share_prompt=share_prompt, sequence_shard=schedule.sequence_shard),
+        num_workers=data.num_workers,
     )
     indices: list[int] = []
     values: list[torch.Tensor] = []
-    for keys, batch in zip(sampler, _progress(loader, args, desc), strict=True):
-        batch = with_length_desensitization(batch.to(args.device), getattr(args, "ld_alpha", None))
+    bar = _progress(loader, shown=data.progress and schedule.rank == 0, desc=desc)
+    for keys, batch in zip(sampler, bar, strict=True):
+        batch = with_length_desensitization(batch.to(device), limits.ld_alpha)
         logps = reference.sequence_logps(batch).detach().float()
         kept = [j for j, (_, weight) in enumerate(keys) if weight > 0]
         indices.extend(keys[j][0] for j in kept)
         values.append(pair_rows(logps)[kept])
-    if args.sequence_shard is not None and args.sequence_shard[0] != 0:  # the group's first rank reports its pairs
+    if schedule.sequence_shard is not None and schedule.sequence_shard[0] != 0:  # the group's first rank reports
         indices, values = [], []
     mine = (torch.tensor(indices, dtype=torch.int64), torch.cat(values).cpu() if values else torch.zeros(0, 2))
     result = torch.full((len(dataset), 2), float("nan"), dtype=torch.float32)
@@ -266,9 +278,9 @@ def compute_ref_logps(
     return result
 
 
-def _progress(loader: DataLoader, args: PairDPOConfig, desc: str):
-    """A tqdm bar on the main process (unless ``disable_tqdm``), the plain loader elsewhere."""
-    if args.disable_tqdm or args.process_index != 0:
+def _progress(loader: DataLoader, *, shown: bool, desc: str):
+    """A tqdm bar when ``shown`` (the main process, unless ``disable_tqdm``), the plain loader elsewhere."""
+    if not shown:
         return loader
     from tqdm.auto import tqdm
 

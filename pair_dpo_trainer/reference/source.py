@@ -18,11 +18,10 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ReferenceOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.integrity import VerifiedSnapshot
 from pair_dpo_trainer.integrity.proof import verify_and_prove, verify_with_proof
-from pair_dpo_trainer.losses.registry import uses_reference
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.parallel.node import Node
 
@@ -55,12 +54,18 @@ class ReferenceSource:
 
 
 def resolve_reference_source(
-    args: PairDPOConfig, *, policy_dir: str | None, policy_name_or_path: str | None, ref_model_given: bool
+    reference: ReferenceOptions,
+    node: Node,
+    *,
+    policy_dir: str | None,
+    policy_name_or_path: str | None,
+    ref_model_given: bool,
 ) -> ReferenceSource | None:
     """Decides, and for a pinned revision verifies, where the reference comes from. None when reference-free.
 
     Args:
-        args: The run's ``PairDPOConfig``.
+        reference: The run's reference section.
+        node: This process's node (its local main verifies the snapshot once for the node).
         policy_dir: Directory the trainer will load the policy from (the ``model`` argument was a path).
         policy_name_or_path: ``model.name_or_path`` of an in-memory policy (a local directory or a hub name).
         ref_model_given: The user passed an explicit ``ref_model`` object.
@@ -72,12 +77,10 @@ def resolve_reference_source(
             ``unsupported_combination`` (a ``ref_model`` object cannot be verified against a revision).
         SnapshotIntegrityError: The directory does not verify (reason codes of ``verify_snapshot``).
     """
-    if not uses_reference(
-        args.loss_type, reference_free=args.reference_free
-    ):  # reference_free=True, or only reference-free objectives
+    if not reference.uses_reference:  # reference_free=True, or only reference-free objectives
         return None
-    if args.ref_model_revision is None:
-        return _unpinned(args, policy_dir, ref_model_given)
+    if reference.ref_model_revision is None:
+        return _unpinned(reference, policy_dir, ref_model_given)
     if ref_model_given:
         raise ConfigError(
             "unsupported_combination",
@@ -85,14 +88,14 @@ def resolve_reference_source(
             "ref_model_name_or_path instead of the object, or drop ref_model_revision and set "
             "allow_unpinned_reference=True.",
         )
-    directory = args.ref_model_name_or_path or policy_dir or policy_name_or_path
+    directory = reference.ref_model_name_or_path or policy_dir or policy_name_or_path
     if directory is None or not os.path.isdir(directory):
         raise ConfigError(
             "reference_not_local",
             f"ref_model_revision is set but the reference {directory!r} is not a local directory: download it "
             "with `hf download REPO --revision <40-hex sha> --local-dir DIR` and set ref_model_name_or_path=DIR.",
         )
-    snapshot, hashed = _verify_once_per_node(args, directory, args.ref_model_revision)
+    snapshot, hashed = _verify_once_per_node(reference, node, directory, reference.ref_model_revision)
     logger.info(
         "reference snapshot %s verified at %s (%d files, %d hashed by this process)",
         directory,
@@ -100,23 +103,23 @@ def resolve_reference_source(
         len(snapshot.files),
         hashed,
     )
-    return ReferenceSource(directory, snapshot, snapshot.revision, args.ref_model_repo_id, files_hashed=hashed)
+    return ReferenceSource(directory, snapshot, snapshot.revision, reference.ref_model_repo_id, files_hashed=hashed)
 
 
-def _verify_once_per_node(args: PairDPOConfig, directory: str, revision: str) -> tuple[VerifiedSnapshot, int]:
+def _verify_once_per_node(
+    reference: ReferenceOptions, node: Node, directory: str, revision: str
+) -> tuple[VerifiedSnapshot, int]:
     """The node's local main verifies and proves; the other ranks check with its proof (module docstring)."""
-    options: dict[str, Any] = {"threads": args.verify_threads, "allow_pickle": args.allow_pickle_weights}
-    shared = Node.from_args(args).once(
-        lambda: verify_and_prove(directory, revision, progress=_progress_bar(directory), **options)
-    )
+    options: dict[str, Any] = {"threads": reference.verify_threads, "allow_pickle": reference.allow_pickle_weights}
+    shared = node.once(lambda: verify_and_prove(directory, revision, progress=_progress_bar(directory), **options))
     snapshot, proof = shared.value
     if shared.here:
         return snapshot, len(snapshot.files)
     return verify_with_proof(directory, revision, proof, **options)
 
 
-def _unpinned(args: PairDPOConfig, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
-    if not args.allow_unpinned_reference:
+def _unpinned(reference: ReferenceOptions, policy_dir: str | None, ref_model_given: bool) -> ReferenceSource:
+    if not reference.allow_unpinned_reference:
         raise ConfigError(
             "reference_not_pinned",
             "standard DPO needs a pinned reference: set ref_model_revision to the 40-hex commit of the reference "
@@ -128,12 +131,12 @@ def _unpinned(args: PairDPOConfig, policy_dir: str | None, ref_model_given: bool
         "allow_unpinned_reference=True: the reference is not verified against a pinned revision; its identity is "
         "recorded with pinned=false."
     )
-    directory = None if ref_model_given else (args.ref_model_name_or_path or policy_dir)
-    if directory is not None and args.ref_model_name_or_path:
+    directory = None if ref_model_given else (reference.ref_model_name_or_path or policy_dir)
+    if directory is not None and reference.ref_model_name_or_path:
         require_model_directory(
             directory, role="reference", option="ref_model_name_or_path", code="reference_not_local"
         )
-    return ReferenceSource(directory, None, None, args.ref_model_repo_id)
+    return ReferenceSource(directory, None, None, reference.ref_model_repo_id)
 
 
 def _progress_bar(directory: str):

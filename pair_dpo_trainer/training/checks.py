@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import FsdpOptions, LayerOptions, ObjectiveOptions
 from pair_dpo_trainer.errors import Problem, raise_problems
 from pair_dpo_trainer.fault_tolerance.lock import output_dir_problem
 from pair_dpo_trainer.losses.checks import loss_problems
@@ -29,11 +30,15 @@ from pair_dpo_trainer.parallel.sequence import sequence_parallel_problems
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
 from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
 from pair_dpo_trainer.training.layers import auto_checkpointing_problems
+from pair_dpo_trainer.training.options import RunOptions, reference_options
 
 
 def config_problems(args: PairDPOConfig) -> list[Problem]:
-    """Every ``(reason_code, message)`` of the features' checks that need only the config."""
-    problems: list[Problem] = [*loss_problems(args), *reference_option_problems(args)]
+    """Every ``(reason_code, message)`` of the features' checks that need only the config (each check gets its
+    section)."""
+    reference = reference_options(args)
+    problems: list[Problem] = [*loss_problems(ObjectiveOptions.from_config(args), reference)]
+    problems.extend(reference_option_problems(reference))
     problems.extend(attn_backend_problems(args.attn_backend))
     compile_mode = compile_mode_problem(args.torch_compile_mode)
     if compile_mode is not None:
@@ -81,15 +86,24 @@ class RunSetup:
     zero3: bool
 
 
-def run_problems(args: PairDPOConfig, setup: RunSetup) -> list[Problem]:
-    """Every ``(reason_code, message)`` for option combinations this run's runtime does not support."""
+def run_problems(args: PairDPOConfig, setup: RunSetup, options: RunOptions | None = None) -> list[Problem]:
+    """Every ``(reason_code, message)`` for option combinations this run's runtime does not support.
+
+    Args:
+        args: The run's config (its device).
+        setup: What the Accelerator knows.
+        options: The run's sections when the trainer built them (else read from ``args`` here).
+    """
+    reference = options.reference if options is not None else reference_options(args)
+    layers = options.layers if options is not None else LayerOptions.from_config(args)
+    fsdp = options.fsdp if options is not None else FsdpOptions.from_config(args)
     problems: list[Problem] = []
     if setup.fsdp_plugin is not None:
-        problems.extend(fsdp2_problems(setup.fsdp_plugin, args, process_group=setup.process_group))
-    problems.extend(zero3_leaf_problems(args.zero3_leaf_modules, zero3=setup.zero3, peft=setup.peft_policy))
+        problems.extend(fsdp2_problems(setup.fsdp_plugin, fsdp, process_group=setup.process_group))
+    problems.extend(zero3_leaf_problems(layers.zero3_leaf_modules, zero3=setup.zero3, peft=setup.peft_policy))
     problems.extend(
         reference_run_problems(
-            args,
+            reference,
             deepspeed_config=setup.deepspeed_config,
             fsdp=setup.fsdp_plugin is not None,
             peft_policy=setup.peft_policy,
@@ -97,19 +111,20 @@ def run_problems(args: PairDPOConfig, setup: RunSetup) -> list[Problem]:
         )
     )
     problems.extend(
-        compile_problems(torch_compile=args.torch_compile, zero3=setup.zero3, attn_backend=setup.attn_backend)
+        compile_problems(torch_compile=layers.torch_compile, zero3=setup.zero3, attn_backend=setup.attn_backend)
     )
     deepspeed = setup.deepspeed_config is not None
     device = torch.device(args.device)
-    problems.extend(fp8_problems(args.fp8, deepspeed=deepspeed, peft=setup.peft_policy, device=device))
+    problems.extend(fp8_problems(layers.fp8, deepspeed=deepspeed, peft=setup.peft_policy, device=device))
     sharded = setup.zero3 or setup.fsdp_plugin is not None
-    problems.extend(auto_checkpointing_problems(args.activation_checkpointing_mode, device=device, sharded=sharded))
+    mode = layers.activation_checkpointing_mode
+    problems.extend(auto_checkpointing_problems(mode, device=device, sharded=sharded))
     problems.extend(
         sequence_parallel_problems(
             args.sequence_parallel_size,
             world_size=args.world_size,
             fsdp=setup.fsdp_plugin is not None,
-            checkpointing_mode=args.activation_checkpointing_mode,
+            checkpointing_mode=mode,
             process_group=setup.process_group,
         )
     )

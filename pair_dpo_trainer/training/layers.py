@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 
 from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.packed import PackedPairCollator
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import BatchLimits, LayerOptions
 from pair_dpo_trainer.errors import Problem
 from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
 from pair_dpo_trainer.modeling.chunked_head import compile_head_kernels
@@ -71,46 +71,49 @@ class LayerPlan:
 def prepare_layers(
     policy: torch.nn.Module,
     reference_model: torch.nn.Module | None,
-    args: PairDPOConfig,
+    layers: LayerOptions,
     *,
     probe: Callable[[], None] | None,
     training: bool,
     fsdp: bool = False,
+    budget: Budget | None = None,
 ) -> LayerPlan:
-    """Converts, checkpoints, offloads and compiles as ``args`` asks (each step idempotent).
+    """Converts, checkpoints, offloads and compiles as ``layers`` asks (each step idempotent).
 
     Args:
         policy: The policy, unwrapped (not yet DDP / FSDP wrapped).
         reference_model: The in-process reference model to convert and compile with it, or None.
-        args: The run's config (``fp8``, ``activation_checkpointing_mode``, ``activation_offload``, ``torch_compile*``).
+        layers: The run's layer section (``fp8``, ``activation_checkpointing_mode``, ``activation_offload``,
+            ``torch_compile*``).
         probe: One forward and backward of a ``max_tokens_per_microbatch`` row (the auto mode's measurement).
         training: False for an ``evaluate()`` before ``train()``: no checkpointing decision yet.
         fsdp: The policy will be sharded by FSDP2 (tensorwise float8 weights are then all-gathered in float8).
+        budget: What the auto mode measures with (the token budget, the device, the ranks that agree).
     """
-    if args.fp8 is not None:
-        convert_to_fp8(policy, args.fp8, fsdp_float8_all_gather=fsdp and args.fp8 == "tensorwise")
+    if layers.fp8 is not None:
+        convert_to_fp8(policy, layers.fp8, fsdp_float8_all_gather=fsdp and layers.fp8 == "tensorwise")
         if reference_model is not None:
-            convert_to_fp8(reference_model, args.fp8)
-    mode, fit = args.activation_checkpointing_mode, None
+            convert_to_fp8(reference_model, layers.fp8)
+    mode, fit = layers.activation_checkpointing_mode, None
     if training and mode == "auto":
-        fit = _measure(policy, probe, args)
+        fit = _measure(policy, probe, budget)
         mode = fit.mode
     if training and mode != "auto":
         apply_activation_checkpointing(policy, mode)
-    if training and args.activation_offload:
+    if training and layers.activation_offload:
         offload_activations(policy)
-    if args.torch_compile:
-        backend, compile_mode = args.torch_compile_backend or "inductor", args.torch_compile_mode
-        if args.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
+    if layers.torch_compile:
+        backend, compile_mode = layers.compile_backend, layers.torch_compile_mode
+        if layers.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
             torch._inductor.config.emulate_precision_casts = True  # reference's inference graph alike (ln 2 at step 0)
         compile_head_kernels(backend)  # the chunked head's element-wise work, fused
         compile_decoder_layers(policy, backend=backend, mode=compile_mode)
         if reference_model is not None:
             compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
         if fit is not None and fit.mode != CANDIDATES[0]:
-            fit = _measure_compiled(policy, probe, args, fit)
+            fit = _measure_compiled(policy, probe, budget, fit)
             mode = fit.mode
-    return LayerPlan(args.fp8, count_fp8_layers(policy), mode, fit, bool(args.activation_offload))
+    return LayerPlan(layers.fp8, count_fp8_layers(policy), mode, fit, bool(layers.activation_offload))
 
 
 COMPILED_TRIES = 3
@@ -119,27 +122,42 @@ is a compiled graph of the layer, and Dynamo keeps eight per function (the refer
 the chosen mode's must still fit)."""
 
 
+@dataclass(frozen=True)
+class Budget:
+    """What the auto checkpointing mode measures with.
+
+    Attributes:
+        tokens: ``max_tokens_per_microbatch`` (None: no budget, which ``run_problems`` refuses with ``auto``).
+        device: This rank's device (its peak memory is measured).
+        world_size: The ranks that agree on the mode.
+    """
+
+    tokens: int | None
+    device: torch.device | str
+    world_size: int = 1
+
+
 def _measure(
     policy: torch.nn.Module,
     probe: Callable[[], None] | None,
-    args: PairDPOConfig,
+    budget: Budget | None,
     candidates: Sequence[str] = CANDIDATES,
 ) -> MemoryFit:
     """The first of ``candidates`` that fits on every rank (the most recompute any rank needs)."""
-    assert probe is not None and args.max_tokens_per_microbatch is not None  # run_problems refuses otherwise
+    assert probe is not None and budget is not None and budget.tokens is not None  # run_problems refuses otherwise
     fit = choose_checkpointing(
         policy,
         probe,
-        CudaPeakMeter(torch.device(args.device)),
+        CudaPeakMeter(torch.device(budget.device)),
         pending_bytes=optimizer_state_bytes(policy),
-        tokens=args.max_tokens_per_microbatch,
+        tokens=budget.tokens,
         candidates=candidates,
     )
-    return _agreed(policy, fit, args.world_size)
+    return _agreed(policy, fit, budget.world_size)
 
 
 def _measure_compiled(
-    policy: torch.nn.Module, probe: Callable[[], None] | None, args: PairDPOConfig, eager: MemoryFit
+    policy: torch.nn.Module, probe: Callable[[], None] | None, budget: Budget | None, eager: MemoryFit
 ) -> MemoryFit:
     """The eager probe's choice ``eager``, or a cheaper mode that fits once the layers are compiled.
 
@@ -149,9 +167,9 @@ def _measure_compiled(
     ``eager`` when none fits, and the ranks agree as before.
     """
     cheaper = CANDIDATES[: CANDIDATES.index(eager.mode)][:COMPILED_TRIES]
-    compiled = _measure(policy, probe, args, cheaper)
+    compiled = _measure(policy, probe, budget, cheaper)
     chosen = replace(compiled, compiled=True) if compiled.fits else eager
-    chosen = _agreed(policy, chosen, args.world_size)
+    chosen = _agreed(policy, chosen, budget.world_size if budget is not None else 1)
     apply_activation_checkpointing(policy, chosen.mode)  # the probe left the last mode it tried marked
     return chosen
 
@@ -193,9 +211,11 @@ def budget_probe(
     policy: torch.nn.Module,
     reference_logps: Callable[[PackedPairBatch], torch.Tensor],
     collator: PackedPairCollator,
-    args: PairDPOConfig,
+    limits: BatchLimits,
     *,
     vocab_size: int,
+    device: torch.device | str,
+    chunk_size: int,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
 ) -> Callable[[], None]:
     """One forward and backward of a synthetic packed row of exactly ``max_tokens_per_microbatch`` tokens (pairs of
@@ -203,14 +223,17 @@ def budget_probe(
     reference, as a training micro-batch runs them.
 
     Args:
+        limits: The run's batch limits (the budget and the length limits the synthetic pairs keep within).
+        device: This rank's device.
+        chunk_size: The log-prob head's chunk (``logps_chunk_size``).
         autocast: The mixed-precision context the prepared policy's ``forward`` will run in (the Accelerator's
             ``autocast``): the probe runs the policy's forward inside it, so the layers compiled for the probe are
             the graphs training runs (Dynamo compiles a layer again when the autocast state differs) and the peak
             measured is theirs.
     """
-    budget = int(args.max_tokens_per_microbatch or 0)
-    prompt = min(256, int(args.max_prompt_length or 1), max(1, budget // 4))
-    completion = max(1, min(256, args.max_length - prompt))
+    budget = int(limits.max_tokens_per_microbatch or 0)
+    prompt = min(256, int(limits.max_prompt_length or 1), max(1, budget // 4))
+    completion = max(1, min(256, limits.max_length - prompt))
     per_pair = (1 if collator.share_prompt else 2) * prompt + 2 * completion  # the collator's layout
     features = [
         {
@@ -220,12 +243,12 @@ def budget_probe(
         }
         for i in range(max(1, budget // per_pair))
     ]
-    batch = collator(features).to(torch.device(args.device))
+    batch = collator(features).to(torch.device(device))
 
     def probe() -> None:
         policy.train()
         with _forward_under(policy, autocast):
-            logps = packed_policy_logps(policy, batch, chunk_size=args.logps_chunk_size).logps
+            logps = packed_policy_logps(policy, batch, chunk_size=chunk_size).logps
         with torch.no_grad():
             ref = reference_logps(batch)
         (logps - ref).sum().backward()

@@ -4,15 +4,14 @@ pairs' DataLoader (``PairDataLoader``)."""
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import Any, cast
 
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from pair_dpo_trainer.config import PairDPOConfig
-from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering, prepared_limits
+from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, ReferenceOptions
+from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.modeling.paths import require_model_directory
@@ -20,9 +19,7 @@ from pair_dpo_trainer.modeling.peft import wrap_with_peft
 from pair_dpo_trainer.parallel.node import Node
 from pair_dpo_trainer.parallel.zero3 import ensure_deepspeed_comm
 from pair_dpo_trainer.reference.source import ReferenceSource, resolve_reference_source
-from pair_dpo_trainer.training.schedule import check_eval_requested, check_train_rows
-
-logger = logging.getLogger(__name__)
+from pair_dpo_trainer.training.schedule import check_eval_requested
 
 
 class PairDataLoader(StopSafeDataLoader):
@@ -35,29 +32,25 @@ class PairDataLoader(StopSafeDataLoader):
             sampler.set_epoch(epoch)
 
 
-def check_before_loading(model: Any, args: PairDPOConfig, train_dataset: Any, eval_dataset: Any) -> None:
-    """What needs no model: a prepared dataset's limits replace default ones (the user set neither), an evaluation
-    asked of ``train()`` has an eval dataset (``no_eval_dataset``, an option problem: before any path is looked at),
-    the policy path exists, and the train rows fill one step (``too_few_pairs`` from the row count)."""
-    limits = prepared_limits([train_dataset, eval_dataset])
-    if limits is not None and not args.limits_given():
-        args.max_length, args.max_prompt_length = limits
-        logger.info("max_length=%d, max_prompt_length=%d: the prepared dataset's limits", *limits)
-    check_eval_requested(eval_dataset, eval_strategy=args.eval_strategy, eval_on_start=args.eval_on_start)
-    if isinstance(model, (str, Path)):  # named first: a mistyped path is not reported as too few pairs
+def check_before_loading(model: Any, eval_dataset: Any, *, eval_strategy: Any, eval_on_start: bool) -> None:
+    """What needs no model (the limits are settled before: ``training.options.settle_prepared_limits``): an
+    evaluation asked of ``train()`` has an eval dataset (``no_eval_dataset``, an option problem: before any path is
+    looked at) and the policy path exists (checked before the train rows: a mistyped path is not reported as too
+    few pairs, ``training.schedule.check_train_rows``)."""
+    check_eval_requested(eval_dataset, eval_strategy=eval_strategy, eval_on_start=eval_on_start)
+    if isinstance(model, (str, Path)):
         require_model_directory(str(model), role="policy", option="model", code="model_not_found")
-    check_train_rows(train_dataset, args)
 
 
-def with_peft(model: PreTrainedModel, peft_config: Any, args: PairDPOConfig) -> PreTrainedModel:
+def with_peft(model: PreTrainedModel, peft_config: Any, gradient_checkpointing: bool, seed: int) -> PreTrainedModel:
     """The policy wrapped in ``peft_config``'s adapters, as TRL wraps it (``modeling.peft.wrap_with_peft``)."""
-    checkpointing, zero3 = bool(args.gradient_checkpointing), is_deepspeed_zero3_enabled()
-    wrapped = wrap_with_peft(model, peft_config, gradient_checkpointing=checkpointing, zero3=zero3, seed=args.seed)
+    checkpointing, zero3 = bool(gradient_checkpointing), is_deepspeed_zero3_enabled()
+    wrapped = wrap_with_peft(model, peft_config, gradient_checkpointing=checkpointing, zero3=zero3, seed=seed)
     return cast(PreTrainedModel, wrapped)
 
 
 def load_policy(
-    model: PreTrainedModel | str, args: PairDPOConfig, *, ref_model_given: bool
+    model: PreTrainedModel | str, reference: ReferenceOptions, node: Node, *, ref_model_given: bool
 ) -> tuple[PreTrainedModel, str | None, ReferenceSource | None]:
     """Resolves (and verifies) the reference source BEFORE any weight is loaded, then loads a policy given by path.
 
@@ -69,7 +62,8 @@ def load_policy(
     if policy_dir is not None:  # named as the policy, before the reference (by default this path) is looked at
         require_model_directory(policy_dir, role="policy", option="model", code="model_not_found")
     reference_source = resolve_reference_source(
-        args,
+        reference,
+        node,
         policy_dir=policy_dir,
         policy_name_or_path=getattr(model, "name_or_path", None),
         ref_model_given=ref_model_given,
@@ -81,21 +75,21 @@ def load_policy(
 
 
 def tokenized_pairs(
-    dataset: Any, tokenizer: Any, args: PairDPOConfig, *, desc: str, vocab_size: int
+    dataset: Any, tokenizer: Any, limits: BatchLimits, data: DataOptions, node: Node, *, desc: str, vocab_size: int
 ) -> tuple[Any, dict[str, str]]:
     """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows, and
     how its rows were rendered (``data.dataset.pair_dataset_and_rendering``)."""
     return pair_dataset_and_rendering(
         dataset,
         tokenizer,
-        max_length=args.max_length,
-        max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
-        max_tokens_per_microbatch=args.row_token_budget,
-        progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
+        max_length=limits.max_length,
+        max_prompt_length=limits.max_prompt_length,
+        max_tokens_per_microbatch=limits.row_token_budget,
+        progress=data.progress,  # shown by the process that converts (the node's local main)
         desc=desc,
-        num_proc=resolve_num_proc(args.dataset_num_proc),
-        cache_dir=args.dataset_cache_dir,
-        once=Node.from_args(args).once,  # tokenised by each node's local main, memory-mapped by the others
-        apply_chat_template_to_strings=args.apply_chat_template_to_strings,
+        num_proc=resolve_num_proc(data.num_proc),
+        cache_dir=data.cache_dir,
+        once=node.once,  # tokenised by each node's local main, memory-mapped by the others
+        apply_chat_template_to_strings=data.apply_chat_template_to_strings,
         vocab_size=vocab_size,
     )

@@ -16,7 +16,7 @@ from transformers import TrainerCallback
 
 from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.step import StepBatch
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ObjectiveOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.losses.base import LossParams, PairLogps, StepContext
 from pair_dpo_trainer.losses.objective import Objective, ObjectiveOutput
@@ -24,37 +24,19 @@ from pair_dpo_trainer.training.objective_state import RunningRewardMean, read_ob
 from pair_dpo_trainer.training.step_context import MarginsFn, StepContextBuilder
 
 
-def loss_params(args: PairDPOConfig) -> LossParams:
-    """The objectives' hyper-parameters, as the pure loss functions take them.
-
-    Example:
-        >>> loss_params(PairDPOConfig(output_dir="out", beta=0.2)).beta
-        0.2
-    """
-    return LossParams(
-        beta=float(args.beta),
-        label_smoothing=float(args.label_smoothing),
-        nll_weight=float(args.nll_weight),
-        f_divergence_type=args.f_divergence_type,
-        f_alpha_divergence_coef=float(args.f_alpha_divergence_coef),
-        discopop_tau=float(args.discopop_tau),
-        simpo_gamma=float(args.simpo_gamma),
-    )
-
-
 class ObjectiveRuntime:
     """The run's objective with its state.
 
     Args:
-        args: The run's ``PairDPOConfig``.
+        objective: The run's objective section (the objectives, their weights, WPO's weighting).
+        params: The objectives' hyper-parameters (``training.options.loss_params``).
         device: The training device.
     """
 
-    def __init__(self, args: PairDPOConfig, device: torch.device) -> None:
-        self.args = args
-        self.objective = Objective(
-            args.loss_type, args.loss_weights, loss_params(args), use_weighting=args.use_weighting
-        )
+    def __init__(self, objective: ObjectiveOptions, params: LossParams, device: torch.device) -> None:
+        self.params = params
+        weights = None if objective.loss_weights is None else list(objective.loss_weights)
+        self.objective = Objective(list(objective.loss_type), weights, params, use_weighting=objective.use_weighting)
         self.bco_state = RunningRewardMean(device) if self.objective.needs("stateful") else None
         self.contexts = StepContextBuilder(self.objective, self.bco_state)
         self.device = device
@@ -93,7 +75,7 @@ class ObjectiveRuntime:
             context = self.contexts.for_microbatch(logps, batch.pair_weights) if self.needs_step_context else None
         output = self.objective(logps, context if context is not None else StepContext())
         if training and self.bco_state is not None:
-            self.bco_state.observe(logps, self.args.beta)
+            self.bco_state.observe(logps, self.params.beta)
         return output
 
     def end_step(self) -> None:
@@ -135,7 +117,7 @@ class StepBoundaryCallback(TrainerCallback):
 
     Args:
         runtime: The run's :class:`ObjectiveRuntime`.
-        reference_manager: The run's reference manager (``sync_with``).
+        reference_manager: The run's reference manager (``sync_with``; its ``options`` say when to sync).
     """
 
     def __init__(self, runtime: ObjectiveRuntime, reference_manager: Any) -> None:
@@ -144,5 +126,6 @@ class StepBoundaryCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.runtime.end_step()
-        if args.sync_ref_model and state.global_step % args.ref_model_sync_steps == 0:
+        sync = self.reference_manager.options
+        if sync.sync_ref_model and state.global_step % sync.ref_model_sync_steps == 0:
             self.reference_manager.sync_with(model, step=state.global_step)

@@ -6,32 +6,45 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ScheduleOptions
 from pair_dpo_trainer.errors import ConfigError
 from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
+from pair_dpo_trainer.samplers.evaluation import EvalBatchSampler
 from pair_dpo_trainer.samplers.planner import check_enough_pairs
 
 
-def train_sampler(costs: Sequence[int], args: PairDPOConfig) -> PairBatchSampler | PairStepSampler:
-    """This rank's train sampler for a ``PairDPOConfig``: micro-batches of a fixed count (HF's accumulation groups
-    them), or whole steps when ``max_tokens_per_microbatch`` is set.
+def train_sampler(costs: Sequence[int], schedule: ScheduleOptions) -> PairBatchSampler | PairStepSampler:
+    """This rank's train sampler: micro-batches of a fixed count (HF's accumulation groups them), or whole steps
+    when ``max_tokens_per_microbatch`` is set.
 
     Args:
         costs: ``[N]`` pair costs of the train dataset.
-        args: The run's ``PairDPOConfig`` (layout, seed / data_seed, budget).
+        schedule: The run's schedule section (layout, seed / data_seed, budget).
     """
     layout = {
-        "world_size": args.data_parallel_size,  # the ranks of a sequence-parallel group share their pairs
-        "rank": args.data_parallel_rank,
-        "pairs_per_rank": args.pairs_per_rank_per_step,
-        "seed": args.data_seed if args.data_seed is not None else args.seed,
+        "world_size": schedule.world_size,
+        "rank": schedule.rank,
+        "pairs_per_rank": schedule.pairs_per_rank,
+        "seed": schedule.seed,
     }
-    if args.max_tokens_per_microbatch is None:
-        return PairBatchSampler(costs, microbatches=args.gradient_accumulation_steps, **layout)
-    return PairStepSampler(costs, max_tokens_per_microbatch=args.row_token_budget, **layout)
+    if schedule.max_tokens_per_microbatch is None:
+        return PairBatchSampler(costs, microbatches=schedule.microbatches, **layout)
+    return PairStepSampler(costs, max_tokens_per_microbatch=schedule.max_tokens_per_microbatch, **layout)
 
 
-def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
+def eval_sampler(costs: Sequence[int], schedule: ScheduleOptions) -> EvalBatchSampler:
+    """This rank's eval sampler: every eval pair once, ``per_device_eval_batch_size`` pairs (within the token budget
+    when one is set) per micro-batch, equal micro-batch counts on all ranks (``samplers.evaluation``)."""
+    return EvalBatchSampler(
+        costs,
+        world_size=schedule.world_size,
+        rank=schedule.rank,
+        pairs_per_microbatch=schedule.eval_pairs_per_microbatch,
+        max_tokens_per_microbatch=schedule.max_tokens_per_microbatch,
+    )
+
+
+def check_train_rows(dataset: Any, schedule: ScheduleOptions) -> None:
     """Raises ``too_few_pairs`` when the train dataset has fewer rows than one optimizer step's pairs: checked from
     the row count alone, before the model loads and the rows are tokenised (rejected rows can only lower the count;
     the planner checks the tokenised pairs again).
@@ -42,7 +55,7 @@ def check_train_rows(dataset: Any, args: PairDPOConfig) -> None:
     if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__len__"):
         return
     check_enough_pairs(
-        len(dataset), world_size=args.data_parallel_size, pairs_per_rank=args.pairs_per_rank_per_step, rows="rows"
+        len(dataset), world_size=schedule.world_size, pairs_per_rank=schedule.pairs_per_rank, rows="rows"
     )
 
 
