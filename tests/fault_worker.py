@@ -15,6 +15,8 @@ specs trained one after the other in this process. Each spec has:
   ``rank step time`` to after every step), ``hold_until`` (after step 1, wait until that file exists);
 - ``workers`` (``dataloader_num_workers``), ``worker_marks`` (a directory: the trainer's ``worker_init_fn`` writes
   ``<pid>`` there in each DataLoader worker, so a test sees that a user's function still runs);
+- ``then_next``: a run that raises records its outcome and the process goes on to the next spec (exit code 1 at
+  the end), so that one launch sees several refusals;
 - ``fault`` (optional), a real signal or a real full disk:
 
   - ``{"kind": "save", "point": P, "signal": "KILL" | "INT", "step": S, "rank": R}``: the process signals itself
@@ -237,9 +239,17 @@ def run(spec: dict[str, Any]) -> None:
 
 def main() -> None:
     config = json.loads(sys.argv[1])
+    refused = False
     for spec in config["runs"]:
-        run(spec)
+        try:
+            run(spec)
+        except Exception:
+            if not spec.get("then_next"):
+                raise
+            refused = True  # its outcome file holds the error; the next spec runs in this process
     end_process_group()  # every rank together: a live gloo group at interpreter exit can abort the process
+    if refused:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,11 @@
 """A checkpoint whose bytes changed since it was saved, or whose pickles reference code, is never resumed.
 
 One real ``train.py`` run of the bundled tiny model (3 steps, a checkpoint at step 2) is copied per test, tampered
-with, and resumed by ``train.py`` in a subprocess: the resume must exit 1 with the reason code, and the payload of a
-crafted pickle (it writes a marker file when unpickled) must not have run.
+with, and resumed by ``train.py``: the resume must exit 1 with the reason code, and the payload of a crafted pickle (it
+writes a marker file when unpickled) must not have run. Each refusal code is seen once from a real ``train.py``
+process (``checkpoint_tampered``: the swapped pickle; ``checkpoint_unsafe_pickle``: the vouched-for pickle); the other
+tamperings run the same argv through ``train.run`` in this process, which prints the same one-line error and returns
+the same exit code without paying a launch's imports.
 """
 
 from __future__ import annotations
@@ -39,6 +42,11 @@ class Payload:
         return (exec, (f"open({self.marker!r}, 'w').write('ran')",))
 
 
+def _argv(out: Path, *extra: str) -> list[str]:
+    argv = ["--output_dir", str(out), "--max_steps", str(STEPS), "--save_steps", "2", "--eval_strategy", "no"]
+    return [*argv, "--use_cpu", "true", "--disable_tqdm", "true", *extra]
+
+
 def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
@@ -49,9 +57,21 @@ def _train(out: Path, *extra: str) -> subprocess.CompletedProcess:
         "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
     }
     env.pop("PAIR_DPO_DEBUG", None)
-    command = [sys.executable, str(ROOT / "train.py"), "--output_dir", str(out), "--max_steps", str(STEPS)]
-    command += ["--save_steps", "2", "--eval_strategy", "no", "--use_cpu", "true", "--disable_tqdm", "true", *extra]
+    command = [sys.executable, str(ROOT / "train.py"), *_argv(out, *extra)]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+
+
+def _train_in_process(out: Path, capsys, monkeypatch, *extra: str) -> subprocess.CompletedProcess:
+    """The argv of :func:`_train` through ``train.run`` in this process: its exit code and what it wrote to stderr,
+    shaped as :func:`_train`'s result (what ``train.py``'s ``__main__`` exits with and prints is exactly this)."""
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    monkeypatch.delenv("PAIR_DPO_DEBUG", raising=False)
+    capsys.readouterr()
+    code = train.run(_argv(out, *extra))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["train.py"], code, captured.out, captured.err)
 
 
 @pytest.fixture(scope="module")
@@ -113,27 +133,32 @@ def test_a_pickle_swapped_in_with_its_size_recorded_is_refused_as_tampered_and_n
     assert "Resume from another checkpoint" in done.stderr and not marker.exists()
 
 
-@pytest.mark.slow
-def test_weights_changed_at_the_same_size_are_refused_as_tampered(run_copy):
+@pytest.mark.integration  # the module's `saved` run trains first
+def test_weights_changed_at_the_same_size_are_refused_as_tampered(run_copy, capsys, monkeypatch):
+    """In process: ``checkpoint_tampered`` from a real ``train.py`` launch is the swapped pickle's test above."""
     weights = run_copy / "checkpoint-2" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-8:] = bytes(b ^ 0xFF for b in data[-8:])  # the last tensor's last bytes
     weights.write_bytes(bytes(data))
-    _refused(_train(run_copy, "--resume_from_checkpoint", "latest"), "checkpoint_tampered", "model.safetensors")
+    done = _train_in_process(run_copy, capsys, monkeypatch, "--resume_from_checkpoint", "latest")
+    _refused(done, "checkpoint_tampered", "model.safetensors")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("manifest", ["rewritten", "removed"])
 def test_code_in_a_pickle_is_refused_even_when_the_manifest_vouches_for_it_or_there_is_none(
-    run_copy, tmp_path, manifest
+    run_copy, tmp_path, capsys, monkeypatch, manifest
 ):
+    """``rewritten`` resumes in a real ``train.py`` process; ``removed`` (the same refusal, the same code path after
+    the manifest is found missing) through ``train.run`` in this process."""
     checkpoint, marker = run_copy / "checkpoint-2", tmp_path / "payload-ran"
     _forge(checkpoint / "rng_state.pth", marker)
     if manifest == "rewritten":
         _record(checkpoint, "rng_state.pth", digest=True)
+        done = _train(run_copy, "--resume_from_checkpoint", str(checkpoint))
     else:
         (checkpoint / MANIFEST_FILENAME).unlink()
-    done = _train(run_copy, "--resume_from_checkpoint", str(checkpoint))
+        done = _train_in_process(run_copy, capsys, monkeypatch, "--resume_from_checkpoint", str(checkpoint))
     _refused(done, "checkpoint_unsafe_pickle", "rng_state.pth")
     assert "builtins.exec" in done.stderr and not marker.exists()
 
@@ -164,8 +189,19 @@ def zero3_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.distributed  # two ZeRO-3 launches of 2 processes (~1 min each on 2 cores)
-def test_a_zero3_model_states_pickle_with_code_is_refused_on_every_rank_and_never_unpickled(zero3_checkpoint, tmp_path):
+@pytest.mark.distributed  # one ZeRO-3 resume launch of 2 processes (~1 min on 2 cores) after the module's ZeRO-3 run
+def test_a_zero3_checkpoint_with_code_in_a_pickle_or_a_latest_outside_is_refused_on_every_rank_never_unpickled(
+    zero3_checkpoint, tmp_path
+):
+    """Two forged copies of the ZeRO-3 checkpoint resumed one after the other by the same 2 ranks (``then_next``:
+    the first refusal is recorded and the ranks go on to the second), each refusal seen on every rank:
+
+    - ``sized``: a model-states pickle that runs code, its size and then its SHA-256 recorded in the manifest:
+      ``checkpoint_tampered`` in process while only the size matches, ``checkpoint_unsafe_pickle`` once the manifest
+      vouches for it;
+    - ``outside``: no manifest, ``latest`` naming a directory outside the checkpoint whose model-states pickles (what
+      DeepSpeed unpickles first on each rank, with ``weights_only=False``) run code: ``checkpoint_unsafe_path``.
+    """
     from tests.test_deepspeed import DS_CONFIG
 
     name = "global_step2/zero_pp_rank_0_mp_rank_00_model_states.pt"
@@ -183,34 +219,26 @@ def test_a_zero3_model_states_pickle_with_code_is_refused_on_every_rank_and_neve
     forged = Path(spec["out"]) / "checkpoint-2"
     shutil.copytree(sized, forged)
     _record(forged, name, digest=True)  # the manifest vouches for the forged file
-    assert run_to_end([spec], tmp_path / "resume", world_size=2) == [1, 1], logs(tmp_path / "resume")
-    for rank in (0, 1):
-        result = outcome(spec, rank)
-        assert result["reason_code"] == "checkpoint_unsafe_pickle" and name in result["message"], result
-    assert "builtins.exec" in outcome(spec, 0)["message"] and not marker.exists()
 
-
-@pytest.mark.slow
-@pytest.mark.distributed  # one ZeRO-3 resume launch of 2 processes (~1 min on 2 cores), sharing the run above
-def test_a_manifest_less_zero3_checkpoint_whose_latest_names_a_directory_outside_is_refused_on_every_rank(
-    zero3_checkpoint, tmp_path
-):
-    from tests.test_deepspeed import DS_CONFIG
-
-    marker = tmp_path / "payload-ran"
     elsewhere = tmp_path / "elsewhere" / "global_step2"
     shutil.copytree(zero3_checkpoint / "global_step2", elsewhere)
     for rank in (0, 1):  # what DeepSpeed unpickles first on each rank, with weights_only=False
         _forge(elsewhere / f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt", marker)
-    spec = run_spec(tmp_path, "resume", max_steps=3, deepspeed=DS_CONFIG, ddp_timeout=120)
-    checkpoint = Path(spec["out"]) / "checkpoint-2"
+    outside = run_spec(tmp_path, "outside", max_steps=3, deepspeed=DS_CONFIG, ddp_timeout=120)
+    checkpoint = Path(outside["out"]) / "checkpoint-2"
     shutil.copytree(zero3_checkpoint, checkpoint)
     (checkpoint / MANIFEST_FILENAME).unlink()  # another trainer's checkpoint: only its pickles are scanned
     (checkpoint / "latest").write_text(str(elsewhere))  # DeepSpeed joins an absolute tag as it is
-    spec["resume"] = str(checkpoint)
-    assert run_to_end([spec], tmp_path / "resume", world_size=2) == [1, 1], logs(tmp_path / "resume")
+    outside["resume"] = str(checkpoint)
+
+    runs = [{**spec, "then_next": True}, outside]
+    assert run_to_end(runs, tmp_path / "resume", world_size=2) == [1, 1], logs(tmp_path / "resume")
     for rank in (0, 1):
         result = outcome(spec, rank)
+        assert result["reason_code"] == "checkpoint_unsafe_pickle" and name in result["message"], result
+    assert "builtins.exec" in outcome(spec, 0)["message"] and not marker.exists()
+    for rank in (0, 1):
+        result = outcome(outside, rank)
         assert result["reason_code"] == "checkpoint_unsafe_path" and "latest" in result["message"], result
     assert not marker.exists()
 

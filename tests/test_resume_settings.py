@@ -2,6 +2,9 @@
 
 A run of 2 steps saves ``checkpoint-2``; each case resumes it to step 4 with one option changed. The demo pairs are
 long enough that ``--max_length 96`` truncates pairs that 128 keeps whole, so a changed limit trains other tokens.
+Each refusal code is seen once from a real ``train.py`` process (``--max_length``, ``--beta``); the other changed
+options run the same argv through ``train.run`` in this process, which prints the same error and returns the same exit
+code without a launch's imports.
 """
 
 from __future__ import annotations
@@ -21,15 +24,32 @@ from tests.faults import worker_env
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _train(out: Path, pairs: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
-    flags = [
+def _flags(out: Path, pairs: Path, max_steps: int, *extra: str) -> list[str]:
+    return [
         "--model_name_or_path", str(bundled_model_dir()), "--dataset", str(pairs), "--eval_size", "0",
         "--max_steps", str(max_steps), "--per_device_train_batch_size", "4", "--max_length", "128",
         "--save_steps", "2", "--logging_steps", "1", "--disable_tqdm", "true", "--report_to", "none",
         "--use_cpu", "true", "--output_dir", str(out), *extra,
     ]  # fmt: skip
+
+
+def _train(out: Path, pairs: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
+    flags = _flags(out, pairs, max_steps, *extra)
     env = {**worker_env(), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], env=env, capture_output=True, text=True)
+
+
+def _train_in_process(capsys, monkeypatch, *flags: str) -> subprocess.CompletedProcess:
+    """``flags`` through ``train.run`` in this process: its exit code and stderr, shaped as :func:`_train`'s result
+    (what ``train.py``'s ``__main__`` exits with and prints)."""
+    sys.path.insert(0, str(ROOT))
+    import train
+
+    monkeypatch.delenv("PAIR_DPO_DEBUG", raising=False)
+    capsys.readouterr()
+    code = train.run(list(flags))
+    captured = capsys.readouterr()
+    return subprocess.CompletedProcess(["train.py"], code, captured.out, captured.err)
 
 
 @pytest.fixture(scope="module")
@@ -43,26 +63,36 @@ def saved(tmp_path_factory) -> tuple[Path, Path]:
     return root / "run", pairs
 
 
-def _resume(saved: tuple[Path, Path], tmp_path: Path, *changed: str) -> tuple[subprocess.CompletedProcess, Path]:
+def _resume(
+    saved: tuple[Path, Path], tmp_path: Path, *changed: str, in_process=None
+) -> tuple[subprocess.CompletedProcess, Path]:
+    """Resumes a copy of the saved run to step 4 with ``changed``: in a ``train.py`` process, or with
+    ``in_process=(capsys, monkeypatch)`` through :func:`_train_in_process`."""
     run, pairs = saved
     out = tmp_path / "run"
     subprocess.run(["cp", "-a", str(run), str(out)], check=True)
-    return _train(out, pairs, 4, "--resume_from_checkpoint", "latest", *changed), out
+    flags = ("--resume_from_checkpoint", "latest", *changed)
+    if in_process is not None:
+        return _train_in_process(*in_process, *_flags(out, pairs, 4, *flags)), out
+    return _train(out, pairs, 4, *flags), out
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("changed", "code", "named"),
+    ("changed", "code", "named", "launch"),
     [
-        (["--max_length", "96"], "resume_data_mismatch", "max_length 128 -> 96"),
-        (["--max_prompt_length", "32"], "resume_data_mismatch", "max_prompt_length 64 -> 32"),
-        (["--beta", "0.5"], "resume_objective_mismatch", "beta 0.1 -> 0.5"),
-        (["--loss_type", "ipo"], "resume_objective_mismatch", "loss_type ['sigmoid'] -> ['ipo']"),
+        (["--max_length", "96"], "resume_data_mismatch", "max_length 128 -> 96", True),
+        (["--max_prompt_length", "32"], "resume_data_mismatch", "max_prompt_length 64 -> 32", False),
+        (["--beta", "0.5"], "resume_objective_mismatch", "beta 0.1 -> 0.5", True),
+        (["--loss_type", "ipo"], "resume_objective_mismatch", "loss_type ['sigmoid'] -> ['ipo']", False),
     ],
 )
 @pytest.mark.integration
-def test_a_changed_data_limit_or_objective_is_refused_before_anything_loads(saved, tmp_path, changed, code, named):
-    resumed, out = _resume(saved, tmp_path, *changed)
+def test_a_changed_data_limit_or_objective_is_refused_before_anything_loads(
+    saved, tmp_path, capsys, monkeypatch, changed, code, named, launch
+):
+    """One real ``train.py`` launch per reason code (``launch``); the second option of each code in this process."""
+    resumed, out = _resume(saved, tmp_path, *changed, in_process=None if launch else (capsys, monkeypatch))
     assert resumed.returncode == 1, resumed.stderr[-4000:]
     assert f"[{code}]" in resumed.stderr and named in resumed.stderr, resumed.stderr[-4000:]
     assert [step for step, _ in list_checkpoints(out)] == [2]  # nothing trained

@@ -275,16 +275,19 @@ def test_the_lock_is_reentrant_in_one_process_and_released_by_its_last_holder(tm
 
 @pytest.mark.slow
 def test_a_second_run_on_the_same_output_dir_refuses_at_start_and_the_first_is_untouched(tmp_path):
+    """The second run is a trainer of this process (the refusal from launched processes, every rank of them: the
+    distributed test below); the first is a real process holding the output_dir mid-run."""
     first = run_spec(tmp_path, "a", max_steps=12, hold_until=str(tmp_path / "go"))  # waits after step 1
     second = {**run_spec(tmp_path, "b", max_steps=4, seed=1), "out": first["out"]}
     procs = launch([first], tmp_path / "a")
     try:
         wait_for_progress(first, 0, 1, procs, timeout=200)
-        (code,) = run_to_end([second], tmp_path / "b", timeout=300)
-        assert code == 1, logs(tmp_path / "b")
-        refused = outcome(second)
-        assert refused["reason_code"] == "output_dir_in_use", refused
-        assert f"pid {procs[0].pid}" in refused["message"] and socket.gethostname() in refused["message"]
+        with pytest.raises(RunError) as refused:
+            build(second).train()
+        assert refused.value.reason_code == "output_dir_in_use", refused.value
+        message = str(refused.value)
+        assert f"pid {procs[0].pid}" in message and socket.gethostname() in message
+        assert json.loads((Path(first["out"]) / LOCK_FILENAME).read_text())["pid"] == procs[0].pid  # still held
         (tmp_path / "go").touch()
         assert wait(procs, 300) == [0], logs(tmp_path / "a")
     finally:
@@ -326,23 +329,6 @@ def test_every_rank_refuses_when_the_main_process_finds_the_output_dir_in_use(tm
         result = outcome(spec, rank)
         assert result["reason_code"] == "output_dir_in_use" and f"pid {os.getpid()}" in result["message"]
     assert list_checkpoints(spec["out"]) == []
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_ranks_launched_without_use_cpu_on_a_cpu_machine_form_one_job_and_one_checkpoint(tmp_path):
-    """``RANK``/``WORLD_SIZE`` set but ``use_cpu`` off on a CPU-only machine (torchrun without ``--use_cpu``): the
-     Trainer alone would make each process the main process of its own world-size-1 job, both writing one output_dir
-    . ``config.launch.resolve_use_cpu`` joins them into one gloo job: both ranks train the same steps and
-     each checkpoint holds both ranks' RNG states."""
-    spec = run_spec(tmp_path, "run", max_steps=4, use_cpu=False)
-    codes = run_to_end([spec], tmp_path / "run", world_size=2, timeout=300)
-    assert codes == [0, 0], logs(tmp_path / "run")
-    assert "world_size=2" in (tmp_path / "run" / "rank0.log").read_text()
-    assert [step for step, _ in list_checkpoints(spec["out"])] == [2, 4]
-    for _, checkpoint in list_checkpoints(spec["out"]):
-        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])
-    assert outcome(spec, 0)["global_step"] == outcome(spec, 1)["global_step"] == 4
 
 
 # ---------------------------------------------------------------------------------------------- stalled / dead rank
@@ -403,6 +389,11 @@ def test_sigterm_saves_the_current_step_exits_75_and_resume_equals_the_uninterru
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """The resume launch first trains a run whose ranks are launched without ``use_cpu`` on this CPU-only machine
+    (torchrun without ``--use_cpu``): the Trainer alone would make each process the main process of its own
+    world-size-1 job, both writing one output_dir. ``config.launch.resolve_use_cpu`` joins them into one gloo job:
+    both ranks train the same steps and each checkpoint holds both ranks' RNG states. It runs first in fresh processes,
+    as a launch of its own would, and the launch goes on to the resume and the uninterrupted run."""
     spec = run_spec(tmp_path, "run", max_steps=12, save_steps=100, step_sleep=0.4, ddp_timeout=60)
     procs = launch([spec], tmp_path / "run", world_size=2)
     codes = signal_rank_after(spec, procs, 1, 2, signal.SIGTERM, timeout=300)  # only rank 1 is signalled
@@ -413,8 +404,16 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equ
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])  # both ranks saved
     resume = {**spec, "step_sleep": 0, "resume": "auto", "result": spec["result"] + "_resumed"}
     straight = run_spec(tmp_path, "straight", max_steps=12, save_steps=100)
-    assert run_to_end([resume, straight], tmp_path / "run", world_size=2) == [0, 0], logs(tmp_path / "run")
+    no_cpu = run_spec(tmp_path, "no_cpu", max_steps=4, use_cpu=False)
+    codes = run_to_end([no_cpu, resume, straight], tmp_path / "run", world_size=2)
+    assert codes == [0, 0], logs(tmp_path / "run")
     assert_same_parameters(final_state(straight)["params"], final_state(resume)["params"])
+    log = (tmp_path / "run" / "rank0.log").read_text()
+    assert "world_size=2" in log[log.index("pair_dpo: world_size=") :][: len("pair_dpo: world_size=2")]  # no_cpu's
+    assert [step for step, _ in list_checkpoints(no_cpu["out"])] == [2, 4]
+    for _, checkpoint in list_checkpoints(no_cpu["out"]):
+        assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])
+    assert outcome(no_cpu, 0)["global_step"] == outcome(no_cpu, 1)["global_step"] == 4
 
 
 @pytest.mark.slow

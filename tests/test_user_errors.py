@@ -288,7 +288,11 @@ def _train_script(tmp_path: Path, *argv: str, debug: bool = False) -> subprocess
 
 
 @pytest.mark.integration
-def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceback_on_request(tmp_path):
+def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceback_on_request(tmp_path, monkeypatch):
+    """The one-line message from a real ``train.py`` process; with ``PAIR_DPO_DEBUG=1`` the error leaves
+    ``train.run`` (this process), which is what makes the interpreter print its traceback and exit 1."""
+    import train
+
     typo = str(tmp_path / "models" / "typo")
     argv = ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path()), "--output_dir", str(tmp_path)]
     done = _train_script(tmp_path, *argv, "--use_cpu", "true")
@@ -298,12 +302,16 @@ def test_train_script_prints_a_reason_coded_error_as_one_message_and_the_traceba
     assert lines[0].startswith(f"train.py: error: [model_not_found] the policy path {typo!r} (--model_name_or_path)")
     assert lines[1] == "train.py: (the traceback: set PAIR_DPO_DEBUG=1)"
     assert "Traceback" not in done.stderr
-    debug = _train_script(tmp_path, *argv, "--use_cpu", "true", debug=True)
-    assert debug.returncode == 1 and "Traceback" in debug.stderr and "[model_not_found]" in debug.stderr
+    monkeypatch.setenv("PAIR_DPO_DEBUG", "1")
+    with pytest.raises(ConfigError) as debug:
+        train.run([*argv, "--use_cpu", "true"])
+    assert debug.value.reason_code == "model_not_found" and "[model_not_found]" in str(debug.value)
 
 
-@pytest.mark.slow  # two train.py runs on the demo (~25 s)
-def test_the_demo_with_no_eval_pairs_trains_and_saves_and_an_asked_evaluation_is_refused_before_training(tmp_path):
+@pytest.mark.slow  # one train.py run on the demo (~15 s), one refused in this process
+def test_the_demo_with_no_eval_pairs_trains_and_saves_and_an_asked_evaluation_is_refused_before_training(
+    tmp_path, capsys, monkeypatch
+):
     done = _train_script(tmp_path, "--eval_size", "0", "--eval_strategy", "no", "--max_steps", "2", "--use_cpu", "true",
                          "--output_dir", str(tmp_path / "no_eval"))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -315,10 +323,14 @@ def test_the_demo_with_no_eval_pairs_trains_and_saves_and_an_asked_evaluation_is
     ]
     state = json.loads((tmp_path / "no_eval" / "trainer_state.json").read_text())
     assert not any(key.startswith("eval_") for entry in state["log_history"] for key in entry)
-    asked = _train_script(tmp_path, "--eval_size", "0", "--eval_on_start", "true", "--max_steps", "2", "--use_cpu",
-                          "true", "--output_dir", str(tmp_path / "asked"))  # fmt: skip
-    assert asked.returncode == 1
-    assert "train.py: error: [no_eval_dataset] eval_on_start=True evaluates during train()" in asked.stderr
+    import train  # the refusal: train.py's run in this process, its exit code and stderr as a launch has them
+
+    monkeypatch.delenv("PAIR_DPO_DEBUG", raising=False)
+    capsys.readouterr()
+    code = train.run(["--eval_size", "0", "--eval_on_start", "true", "--max_steps", "2", "--use_cpu", "true",
+                      "--output_dir", str(tmp_path / "asked")])  # fmt: skip
+    assert code == 1
+    assert "train.py: error: [no_eval_dataset] eval_on_start=True evaluates during train()" in capsys.readouterr().err
     assert not (tmp_path / "asked" / "checkpoint-2").exists()
 
 
@@ -358,13 +370,21 @@ def test_too_few_pairs_is_raised_from_the_row_count_before_the_model_loads_or_ro
 
 @pytest.mark.integration
 @pytest.mark.parametrize("seconds", ["0", "-1"])
-def test_train_script_refuses_a_timeout_that_lets_no_collective_wait_before_it_loads_the_model(tmp_path, seconds):
+def test_train_script_refuses_a_timeout_that_lets_no_collective_wait_before_it_loads_the_model(
+    tmp_path, capsys, seconds
+):
+    """``0`` in a real ``train.py`` process; ``-1`` (the same check) through ``train.run`` in this process."""
     typo = str(tmp_path / "no-model")  # reached only after the options: model_not_found would mean they passed
     argv = ["--model_name_or_path", typo, "--dataset", str(bundled_pairs_path()), "--output_dir", str(tmp_path)]
-    done = _train_script(tmp_path, *argv, "--use_cpu", "true", "--ddp_timeout", seconds)
-    assert done.returncode == 1, done.stderr[-2000:]
-    assert f"[bad_timeout] ddp_timeout={seconds} (--ddp_timeout)" in done.stderr and "1800" in done.stderr
-    assert "model_not_found" not in done.stderr and "Loading weights" not in done.stderr
+    if seconds == "0":
+        done = _train_script(tmp_path, *argv, "--use_cpu", "true", "--ddp_timeout", seconds)
+        code, stderr = done.returncode, done.stderr
+    else:
+        code, err = _train_in_process(tmp_path, capsys, "--use_cpu", "true", "--ddp_timeout", seconds)
+        stderr = "\n".join(err)
+    assert code == 1, stderr[-2000:]
+    assert f"[bad_timeout] ddp_timeout={seconds} (--ddp_timeout)" in stderr and "1800" in stderr
+    assert "model_not_found" not in stderr and "Loading weights" not in stderr
 
 
 TMPFS_BYTES = 8 * 1024  # the train split of 300 demo rows (100 pairs) takes about 13 KiB tokenised
