@@ -235,7 +235,9 @@ class PairDPOTrainer(Trainer):
         records how its rows were rendered."""
         if dataset is None:
             return None
-        pairs, renderings = tokenized_pairs(dataset, tokenizer, args, desc=desc, vocab_size=vocab_size)
+        pairs, renderings = tokenized_pairs(
+            dataset, tokenizer, args, desc=desc, vocab_size=vocab_size, share_prompt=self.share_prompt
+        )
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs
 

@@ -164,8 +164,8 @@ class PairDPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Token budget of one packed micro-batch (its row length: prompt + chosen + rejected summed over "
-            "its pairs with share_prompt, 2 x prompt + chosen + rejected without; a pair is admitted by the latter, "
-            "so the same data serves both layouts). Set: per_device_train_batch_size is the pairs per GPU per "
+            "its pairs with share_prompt, 2 x prompt + chosen + rejected without; a pair is admitted and planned by "
+            "its cost in the run's layout). Set: per_device_train_batch_size is the pairs per GPU per "
             "optimizer step, gradient_accumulation_steps must be 1, and each step's pairs are packed into as many "
             "micro-batches of <= this many tokens as the busiest rank needs (the same count on every rank); eval "
             "micro-batches keep to it too; a longer pair is rejected ('pair_too_long'). None: exactly "

@@ -81,16 +81,18 @@ def load_policy(
 
 
 def tokenized_pairs(
-    dataset: Any, tokenizer: Any, args: PairDPOConfig, *, desc: str, vocab_size: int
+    dataset: Any, tokenizer: Any, args: PairDPOConfig, *, desc: str, vocab_size: int, share_prompt: bool = False
 ) -> tuple[Any, dict[str, str]]:
     """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows, and
-    how its rows were rendered (``data.dataset.pair_dataset_and_rendering``)."""
+    how its rows were rendered (``data.dataset.pair_dataset_and_rendering``); the token budget admits each pair by
+    its cost in the run's packed layout (``share_prompt``)."""
     return pair_dataset_and_rendering(
         dataset,
         tokenizer,
         max_length=args.max_length,
         max_prompt_length=args.max_prompt_length,  # type: ignore[arg-type]  # an int after __post_init__
         max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+        share_prompt=share_prompt,
         progress=not args.disable_tqdm,  # shown by the process that converts (the node's local main)
         desc=desc,
         num_proc=resolve_num_proc(args.dataset_num_proc),
