@@ -210,6 +210,16 @@ class PairDPOConfig(TrainingArguments):
             "activation_checkpointing_mode (only the layer inputs are saved)."
         },
     )
+    tiled_mlp: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Compute every decoder layer's MLP in sequence tiles of this many tokens (forward and backward), "
+            "so its intermediate (intermediate_size x tokens) exists for one tile at a time: long rows fit in less "
+            "memory, paid for by one more MLP forward per micro-batch. 'auto': tiles of about hidden_size tokens. "
+            "None: off. With activation_checkpointing_mode='auto', 'auto' here lets the measurement add tiles when "
+            "checkpointing and offload alone do not fit. Not with ZeRO-3 / FSDP2 (sharded MLP weights)."
+        },
+    )
     attn_backend: str = field(
         default="auto",
         metadata={

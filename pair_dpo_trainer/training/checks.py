@@ -23,6 +23,7 @@ from pair_dpo_trainer.losses.checks import loss_problems
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
 from pair_dpo_trainer.modeling.float8 import fp8_problems
+from pair_dpo_trainer.modeling.tiled_mlp import tiled_mlp_problems
 from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_modules_problem, zero3_leaf_problems
 from pair_dpo_trainer.reference.checks import reference_option_problems, reference_run_problems
@@ -103,4 +104,5 @@ def run_problems(args: PairDPOConfig, setup: RunSetup) -> list[Problem]:
     problems.extend(fp8_problems(args.fp8, deepspeed=deepspeed, peft=setup.peft_policy, device=device))
     sharded = setup.zero3 or setup.fsdp_plugin is not None
     problems.extend(auto_checkpointing_problems(args.activation_checkpointing_mode, device=device, sharded=sharded))
+    problems.extend(tiled_mlp_problems(args.tiled_mlp, sharded=sharded))
     return problems

@@ -1,6 +1,7 @@
 """What runs inside the decoder layers, set up once at the start of ``train()`` / ``evaluate()``, in the only order
 that works: float8 conversion (policy and an in-process reference), then activation checkpointing of the policy
-(``auto`` measured here), then host offload, then regional compile (and the chunked head's element-wise work).
+(``auto`` measured here), then host offload and the MLP's tiles (policy and reference), then regional compile (and the
+chunked head's element-wise work).
 
 The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
 log-probs, so the sigmoid loss is ln 2); it is never checkpointed (it runs without gradient).
@@ -22,15 +23,19 @@ from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointi
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
 from pair_dpo_trainer.modeling.logprobs import compile_head_kernels, packed_policy_logps
+from pair_dpo_trainer.modeling.tiled_mlp import apply_tiled_mlp
 from pair_dpo_trainer.modeling.wrappers import forward_replaced
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
     CANDIDATES,
     CudaPeakMeter,
     MemoryFit,
+    Strategy,
+    apply_strategy,
     choose_checkpointing,
     most_conservative,
     optimizer_state_bytes,
+    strategy,
 )
 
 
@@ -44,6 +49,7 @@ class LayerPlan:
         checkpointing: The activation-checkpointing mode applied to the policy (``auto`` resolved).
         fit: The auto mode's measurement, when it ran.
         offload: Saved activations wait in host memory.
+        tiled_mlp: The MLP's tiles (``"auto"`` or tokens per tile), None: untiled.
     """
 
     fp8: str | None = None
@@ -51,6 +57,7 @@ class LayerPlan:
     checkpointing: str = "off"
     fit: MemoryFit | None = None
     offload: bool = False
+    tiled_mlp: int | str | None = None
 
     def describe(self) -> str:
         """`` | fp8 tensorwise (168 layers) | activation checkpointing layers:2`` (empty when nothing is set)."""
@@ -63,6 +70,9 @@ class LayerPlan:
             parts.append(f"activation checkpointing {self.checkpointing}")
         if self.offload:
             parts.append("activations offloaded to host memory")
+        if self.tiled_mlp is not None:
+            size = "about hidden_size" if self.tiled_mlp == "auto" else str(self.tiled_mlp)
+            parts.append(f"MLP in tiles of {size} tokens")
         return "".join(f" | {part}" for part in parts)
 
 
@@ -89,14 +99,15 @@ def prepare_layers(
         convert_to_fp8(policy, args.fp8, fsdp_float8_all_gather=fsdp and args.fp8 == "tensorwise")
         if reference_model is not None:
             convert_to_fp8(reference_model, args.fp8)
-    mode, fit = args.activation_checkpointing_mode, None
-    if training and mode == "auto":
-        fit = _measure(policy, probe, args)
-        mode = fit.mode
-    if training and mode != "auto":
-        apply_activation_checkpointing(policy, mode)
-    if training and args.activation_offload:
+    fit = _measure(policy, probe, args, reference_model) if training and _auto(args) else None
+    chosen = _chosen(args, fit)
+    if training and chosen.mode != "auto":
+        apply_activation_checkpointing(policy, chosen.mode)
+    if training and chosen.offload:
         offload_activations(policy)
+    for model in (policy, reference_model):
+        if model is not None:
+            apply_tiled_mlp(model, chosen.tiled_mlp)
     if args.torch_compile:
         backend, compile_mode = args.torch_compile_backend or "inductor", args.torch_compile_mode
         if args.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
@@ -106,9 +117,24 @@ def prepare_layers(
         if reference_model is not None:
             compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
         if fit is not None and fit.mode != CANDIDATES[0]:
-            fit = _measure_compiled(policy, probe, args, fit)
-            mode = fit.mode
-    return LayerPlan(args.fp8, count_fp8_layers(policy), mode, fit, bool(args.activation_offload))
+            fit = _measure_compiled(policy, probe, args, fit, reference_model)
+            chosen = _chosen(args, fit)
+    return LayerPlan(args.fp8, count_fp8_layers(policy), chosen.mode, fit, chosen.offload, chosen.tiled_mlp)
+
+
+def _auto(args: PairDPOConfig) -> bool:
+    return args.activation_checkpointing_mode == "auto"
+
+
+def _kept(args: PairDPOConfig) -> Strategy:
+    """The config's own offload and tiles: on in every strategy (``auto``'s candidates too)."""
+    return Strategy(args.activation_checkpointing_mode, bool(args.activation_offload), args.tiled_mlp)
+
+
+def _chosen(args: PairDPOConfig, fit: MemoryFit | None) -> Strategy:
+    """What the layers run: the auto mode's measured choice, else the config's settings."""
+    kept = _kept(args)
+    return kept if fit is None else strategy(fit.mode, offload=kept.offload, tiled_mlp=kept.tiled_mlp)
 
 
 COMPILED_TRIES = 3
@@ -121,6 +147,7 @@ def _measure(
     policy: torch.nn.Module,
     probe: Callable[[], None] | None,
     args: PairDPOConfig,
+    reference: torch.nn.Module | None,
     candidates: Sequence[str] = CANDIDATES,
 ) -> MemoryFit:
     """The first of ``candidates`` that fits on every rank (the most recompute any rank needs)."""
@@ -132,12 +159,18 @@ def _measure(
         pending_bytes=optimizer_state_bytes(policy),
         tokens=args.max_tokens_per_microbatch,
         candidates=candidates,
+        kept=_kept(args),
+        reference=reference,
     )
-    return _agreed(policy, fit, args.world_size)
+    return _agreed(policy, fit, args, reference)
 
 
 def _measure_compiled(
-    policy: torch.nn.Module, probe: Callable[[], None] | None, args: PairDPOConfig, eager: MemoryFit
+    policy: torch.nn.Module,
+    probe: Callable[[], None] | None,
+    args: PairDPOConfig,
+    eager: MemoryFit,
+    reference: torch.nn.Module | None,
 ) -> MemoryFit:
     """The eager probe's choice ``eager``, or a cheaper mode that fits once the layers are compiled.
 
@@ -147,19 +180,21 @@ def _measure_compiled(
     ``eager`` when none fits, and the ranks agree as before.
     """
     cheaper = CANDIDATES[: CANDIDATES.index(eager.mode)][:COMPILED_TRIES]
-    compiled = _measure(policy, probe, args, cheaper)
+    compiled = _measure(policy, probe, args, reference, cheaper)
     chosen = replace(compiled, compiled=True) if compiled.fits else eager
-    chosen = _agreed(policy, chosen, args.world_size)
-    apply_activation_checkpointing(policy, chosen.mode)  # the probe left the last mode it tried marked
+    chosen = _agreed(policy, chosen, args, reference)
+    apply_strategy(policy, _chosen(args, chosen), reference)  # the probe left the last candidate it tried marked
     return chosen
 
 
-def _agreed(policy: torch.nn.Module, fit: MemoryFit, world_size: int) -> MemoryFit:
-    """``fit`` with the mode of the rank that recomputes the most (ranks must checkpoint the same layers)."""
-    agreed = most_conservative(all_gather_cpu(fit.mode)) if world_size > 1 else fit.mode
-    if agreed != fit.mode:  # another rank needs more recompute: every rank checkpoints the same layers
-        apply_activation_checkpointing(policy, agreed)
+def _agreed(
+    policy: torch.nn.Module, fit: MemoryFit, args: PairDPOConfig, reference: torch.nn.Module | None
+) -> MemoryFit:
+    """``fit`` with the candidate of the rank that needs the most (ranks must checkpoint the same layers)."""
+    agreed = most_conservative(all_gather_cpu(fit.mode)) if args.world_size > 1 else fit.mode
+    if agreed != fit.mode:  # another rank needs more: every rank runs the same strategy
         fit = replace(fit, mode=agreed)
+        apply_strategy(policy, _chosen(args, fit), reference)
     return fit
 
 
