@@ -406,3 +406,23 @@ def _train_fp8_compiled_from_ln2(tmp_path, backend):
     trainer.train()
     first = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
     assert first == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_prepare_layers_applies_the_auto_choice_to_the_policy_and_the_reference_and_names_it(tmp_path, monkeypatch):
+    """Through ``prepare_layers`` (the meter injected): the policy is left checkpointed, offloaded and tiled, the
+    in-process reference's MLP runs in the same tiles, and the run summary's layer part names the choice."""
+    from pair_dpo_trainer.training import layers as training_layers
+
+    policy, reference = tiny_llama(0), tiny_llama(1)
+    meter = _InjectedMeter(policy, PEAKS, limit=40)
+    monkeypatch.setattr(training_layers, "CudaPeakMeter", lambda _device: meter)
+    monkeypatch.setattr(training_layers, "optimizer_state_bytes", lambda _model: 0)
+    args = cpu_config(
+        tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=64, gradient_accumulation_steps=1
+    )
+    plan = training_layers.prepare_layers(policy, reference, args, probe=meter.probe, training=True)
+    assert (plan.checkpointing, plan.offload, plan.tiled_mlp) == ("full", True, "auto")
+    described = plan.describe()
+    assert "auto -> full+offload+tiled (peak" in described and "MLP in tiles of about hidden_size" in described
+    assert all(layer.mlp._pair_dpo_mlp_tile == "auto" for layer in reference.model.layers)
+    assert policy.model._pair_dpo_offload_on and all(layer._pair_dpo_checkpoint for layer in policy.model.layers)

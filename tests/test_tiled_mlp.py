@@ -153,3 +153,31 @@ def test_tiles_are_refused_where_the_mlp_weights_are_sharded(tmp_path) -> None:
     assert run_problems(args, run_setup()) == []
     problems = run_problems(args, run_setup(zero3=True))
     assert [code for code, text in problems if "tiled_mlp='auto'" in text] == ["unsupported_combination"]
+
+
+def test_ddp_sees_each_mlp_gradient_once_per_backward(float64_norm) -> None:
+    """Under DDP (one gloo rank, in process) the tiles' parameter gradients reach the reducer once per backward, two
+    steps in a row, under full checkpointing: the gradients equal the untiled DDP model's."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tests.ports import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        base, ids = tiny_llama(0).double(), torch.randint(4, 64, (1, 50), generator=torch.Generator().manual_seed(0))
+        grads = []
+        for tile in (None, 7):
+            model = copy.deepcopy(base).train()
+            apply_activation_checkpointing(model, "full")
+            apply_tiled_mlp(model, tile)
+            ddp = torch.nn.parallel.DistributedDataParallel(model)
+            for _ in range(2):
+                model.zero_grad()
+                ddp(ids, use_cache=False).logits.square().mean().backward()
+            grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    finally:
+        dist.destroy_process_group()
+    for name, want in grads[0].items():
+        assert _relative(grads[1][name], want) <= 1e-10, name
