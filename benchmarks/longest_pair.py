@@ -1,8 +1,8 @@
 """The longest preference pair one GPU trains: ours per memory strategy, and TRL's DPOTrainer (+ liger) with gradient
 checkpointing, on the random-init models of ``workload.MODEL_SIZES`` (``qwen1.5b``, ``8b``, ...).
 
-A pair of ``T`` tokens is a prompt of ``round(prompt_frac * T)`` tokens (0.9 by default) and two completions sharing
-the rest (chosen = rejected length, each ending with EOS; ids drawn with the seed). ``T = P + C + R`` is what our
+A pair of ``T`` tokens is a prompt of about ``prompt_frac * T`` tokens (0.9 by default) and two completions of equal
+length sharing the rest (each ending with EOS; ids drawn with the seed). ``T = P + C + R`` is what our
 shared-prompt row holds; TRL computes ``2P + C + R`` (two rows of ``P + C``), reported beside it. One try = one
 optimizer step on that single pair in a FRESH subprocess (a CUDA out-of-memory error can leave a process unusable):
 it succeeds, or fails with out-of-memory (``oom``), a timeout or a killed process (host memory: ``killed``); any other
@@ -127,16 +127,16 @@ def find_longest(
 
 # --------------------------------------------------------------------------------------------------- one try
 def pair_lengths(tokens: int, prompt_frac: float) -> tuple[int, int, int]:
-    """``(P, C, R)`` of a ``tokens``-token pair: ``P = round(prompt_frac * tokens)``, the rest split between the two
-    completions (each at least 2 tokens).
+    """``(P, C, R)`` of a ``tokens``-token pair: two completions of equal length ``C = R`` (at least 2 tokens each:
+    TRL's two rows then need no padding, so its attention needs no mask) sharing ``tokens - P``, with ``P`` within
+    one token of ``prompt_frac * tokens``.
 
     Example:
-        >>> pair_lengths(1000, 0.9), pair_lengths(10, 0.9)
-        ((900, 50, 50), (6, 2, 2))
+        >>> pair_lengths(1000, 0.9), pair_lengths(128, 0.9), pair_lengths(10, 0.9)
+        ((900, 50, 50), (116, 6, 6), (6, 2, 2))
     """
-    prompt = min(round(prompt_frac * tokens), tokens - 4)
-    chosen = (tokens - prompt) // 2
-    return prompt, chosen, tokens - prompt - chosen
+    completion = max(2, (tokens - round(prompt_frac * tokens)) // 2)
+    return tokens - 2 * completion, completion, completion
 
 
 def child_command(args: argparse.Namespace, tokens: int) -> list[str]:
