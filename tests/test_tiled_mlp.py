@@ -181,3 +181,31 @@ def test_ddp_sees_each_mlp_gradient_once_per_backward(float64_norm) -> None:
         dist.destroy_process_group()
     for name, want in grads[0].items():
         assert _relative(grads[1][name], want) <= 1e-10, name
+
+
+def test_the_mlp_intermediates_are_not_kept_for_backward() -> None:
+    """What autograd keeps for backward (saved-tensor hooks, parameters excluded): without checkpointing the tiled
+    layers keep the MLP's input only, not its four intermediate-wide tensors (gate, SiLU(gate), up, their product)."""
+    model = tiny_llama(0).train()
+    ids = torch.randint(4, 64, (1, 96), generator=torch.Generator().manual_seed(0))
+    params = {p.data_ptr() for p in model.parameters()}
+
+    def saved_bytes() -> int:
+        total = 0
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal total
+            total += 0 if tensor.data_ptr() in params else tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = model(ids, use_cache=False).logits.sum()
+        loss.backward()  # outside the hooks: the tiles' recompute in backward is transient, one tile at a time
+        return total
+
+    untiled = saved_bytes()
+    apply_tiled_mlp(model, 16)
+    tiled = saved_bytes()
+    config = model.config
+    intermediates = config.num_hidden_layers * 96 * 4 * config.intermediate_size * 4  # float32 bytes
+    assert untiled - tiled >= intermediates
