@@ -197,8 +197,9 @@ class PairDPOConfig(TrainingArguments):
             "help": "Activation checkpointing of the policy's decoder layers (recompute in backward instead of "
             "storing): 'off'; 'full' (every layer); 'layers:K' (every K-th layer, K >= 2); 'selective' (every "
             "layer, but matmul and attention outputs are kept: only the cheap element-wise ops are recomputed); "
-            "'auto' (with max_tokens_per_microbatch: the cheapest of these whose measured peak memory at the "
-            "token budget fits the GPU, chosen once at the start of train() and named in the run summary). "
+            "'auto' (with max_tokens_per_microbatch: the cheapest of these, then 'full' with activation_offload, then "
+            "also tiled_mlp, whose measured peak memory at the token budget fits the GPU, chosen once at the start "
+            "of train() and named in the run summary). "
             "Not together with gradient_checkpointing (the Trainer's own, which checkpoints every layer)."
         },
     )
@@ -216,8 +217,8 @@ class PairDPOConfig(TrainingArguments):
             "help": "Compute every decoder layer's MLP in sequence tiles of this many tokens (forward and backward), "
             "so its intermediate (intermediate_size x tokens) exists for one tile at a time: long rows fit in less "
             "memory, paid for by one more MLP forward per micro-batch. 'auto': tiles of about hidden_size tokens. "
-            "None: off. With activation_checkpointing_mode='auto', 'auto' here lets the measurement add tiles when "
-            "checkpointing and offload alone do not fit. Not with ZeRO-3 / FSDP2 (sharded MLP weights)."
+            "None: off (activation_checkpointing_mode='auto' still adds tiles itself when full checkpointing with "
+            "offload does not fit; a value set here stays on in every candidate). Not with ZeRO-3 / FSDP2."
         },
     )
     attn_backend: str = field(
