@@ -14,7 +14,7 @@ import torch
 
 from benchmarks.rows import VOCAB, Probe, dynamo_graphs, graph_fields, memory_fields, row_head, step_stats
 from benchmarks.workload import token_vocab
-from pair_dpo_trainer.data.costs import pair_costs
+from pair_dpo_trainer.data.costs import pair_cost_array
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.logprobs import packed_sequence_logps
 from pair_dpo_trainer.samplers import PairStepSampler
@@ -26,7 +26,7 @@ def _step_batches(trainer: PairDPOTrainer, total_steps: int) -> list[list[Any]]:
     token budget the step's micro-batch rows as the trainer ran them (each ``<= max_tokens_per_microbatch``)."""
     args = trainer.args
     steps = PairStepSampler(
-        pair_costs(trainer.train_dataset),
+        pair_cost_array(trainer.train_dataset, share_prompt=trainer.share_prompt),  # the trainer's layout
         world_size=args.world_size,
         rank=args.process_index,
         pairs_per_rank=args.pairs_per_rank_per_step,
@@ -149,6 +149,7 @@ def run_ceiling(ctx: dict[str, Any], trainer: PairDPOTrainer) -> dict[str, Any]:
         "ceiling_rows": "microbatches" if trainer.args.max_tokens_per_microbatch else "one row per step",
         **step_stats(timed),
         "real_tokens_per_step": round(real / len(rows), 1),
+        "microbatches_per_step_mean": round(sum(len(step) for step in rows) / len(rows), 2),
         **memory_fields(ctx["cuda"]),
         "step_s": [round(d, 3) for d in timed],
         **extra,

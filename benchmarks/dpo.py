@@ -123,6 +123,7 @@ MIX_LIMITS = {"trl": (None, 512), "heavy": (8192, 4096), "long": (20480, 16384)}
 NEW_FIELDS = {  # PairDPOConfig field -> the flag that sets it (passed only when the field exists)
     "activation_checkpointing_mode": "--activation-checkpointing",
     "activation_offload": "--activation-offload",
+    "tiled_mlp": "--tiled-mlp",
     "fp8": "--fp8",
     "share_prompt": "--share-prompt / --no-share-prompt",
 }
@@ -262,6 +263,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "auto (the cheapest setting that fits the token budget, measured at start)",
     )
     p.add_argument("--activation-offload", action="store_true", help="PairDPOConfig.activation_offload=True")
+    p.add_argument("--tiled-mlp", metavar="N|auto", help="PairDPOConfig.tiled_mlp: the MLP in tiles of N tokens")
     p.add_argument("--fp8", choices=FP8_RECIPES, metavar="RECIPE", help="PairDPOConfig.fp8: tensorwise or rowwise")
     p.add_argument("--progress", action="store_true", help="rank 0 prints each step's time and the setup phases")
     p.add_argument("--no-cudnn-sdp", "--no_cudnn_sdp", dest="no_cudnn_sdp", action="store_true")
@@ -391,12 +393,14 @@ def trainer_fields(config_class: type = PairDPOConfig) -> set[str]:
 
 
 def new_option_kwargs(args: argparse.Namespace, fields: set[str]) -> dict[str, Any]:
-    """``activation_checkpointing`` / ``activation_offload`` / ``fp8`` / ``share_prompt`` for the flags given (nothing
+    """``activation_checkpointing`` / ``activation_offload`` / ``tiled_mlp`` / ``fp8`` / ``share_prompt`` for the flags
+    given (nothing
     for the flags left out, so the config's defaults run); SystemExit when a flag is given and ``PairDPOConfig`` lacks
     its field, or ``--fp8`` without torchao."""
     given = {
         "activation_checkpointing_mode": args.activation_checkpointing,
         "activation_offload": True if args.activation_offload else None,
+        "tiled_mlp": getattr(args, "tiled_mlp", None),
         "fp8": args.fp8,
         "share_prompt": getattr(args, "share_prompt", None),
     }

@@ -152,6 +152,7 @@ def option_fields(args: Any) -> dict[str, Any]:
         "gradient_checkpointing": bool(getattr(args, "gradient_checkpointing", False)),
         "activation_checkpointing": getattr(args, "activation_checkpointing", None),
         "activation_offload": bool(getattr(args, "activation_offload", False)),
+        "tiled_mlp": getattr(args, "tiled_mlp", None),
         "fp8": getattr(args, "fp8", None),
     }
 

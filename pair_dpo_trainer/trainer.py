@@ -255,7 +255,14 @@ class PairDPOTrainer(Trainer):
             return None
         options = self.options
         pairs, renderings = tokenized_pairs(
-            dataset, tokenizer, options.limits, options.data, options.node, desc=desc, vocab_size=vocab_size
+            dataset,
+            tokenizer,
+            options.limits,
+            options.data,
+            options.node,
+            desc=desc,
+            vocab_size=vocab_size,
+            share_prompt=self.share_prompt,
         )
         self.renderings.update((name.removesuffix(" dataset"), rendering) for name, rendering in renderings.items())
         return pairs

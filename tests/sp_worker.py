@@ -13,6 +13,7 @@ Phases (rank 0 writes each result under OUT_DIR; the test compares them with one
       over EVAL_PAIRS pairs by the same budget.
   resume: resumes the train phase's checkpoint-2 and trains step 3: parameters to compare with the train phase.
   precompute: the train phase's run with precomputed reference log-probs: its losses.
+  too_long: a group whose row is shorter than the long pair: the error when the trainer is built.
   resize: the same checkpoint resumed by the same ranks without groups (another data-parallel size): refused.
 """
 
@@ -260,6 +261,23 @@ def resize_phase(out: Path, rank: int) -> None:
     (out / f"resize_rank{rank}.json").write_text(json.dumps({"reason_code": code}))
 
 
+def too_long_phase(out: Path, size: int, rank: int) -> None:
+    """A group whose row (2 x 20 tokens) is shorter than the long pair (50 tokens shared): the error each rank raises
+    when the trainer is built."""
+    from pair_dpo_trainer import PairDPOTrainer
+    from pair_dpo_trainer.errors import PairDPOError
+
+    config = cpu_config(out, **train_options(out / "too_long", size, max_tokens_per_microbatch=20))
+    try:
+        PairDPOTrainer(
+            model=tiny_llama(0), args=config, train_dataset=long_pairs(24), processing_class=tiny_tokenizer()
+        )
+        result = {"reason_code": None}
+    except PairDPOError as exc:
+        result = {"reason_code": exc.reason_code, "message": str(exc)}
+    (out / f"too_long_rank{rank}.json").write_text(json.dumps(result))
+
+
 def main() -> None:
     from pair_dpo_trainer.parallel.collectives import end_process_group
 
@@ -278,6 +296,8 @@ def main() -> None:
                 train_phase(out, size, rank, resume=True)
             elif phase == "precompute":
                 precompute_phase(out, size, rank)
+            elif phase == "too_long":
+                too_long_phase(out, size, rank)
             elif phase == "resize":
                 resize_phase(out, rank)
     finally:

@@ -331,7 +331,7 @@ def test_a_prepared_split_at_the_run_limits_is_memory_mapped_as_it_is(tmp_path, 
 
 def test_a_prepared_pair_over_the_budget_is_refused_with_its_index(tmp_path, tok, prepared):
     split = load_prepared(prepared, "train")
-    costs = pair_cost_array(split.rows)
+    costs = pair_cost_array(split.rows, share_prompt=True)  # the tiny Llama packs the shared-prompt layout
     budget = int(costs.max()) - 1  # the costliest pairs are over it
     args = cpu_config(
         tmp_path, max_length=128, max_prompt_length=64, max_tokens_per_microbatch=budget, gradient_accumulation_steps=1

@@ -150,8 +150,75 @@ def test_auto_keeps_the_cheapest_mode_whose_measured_peak_fits():
     assert all(p.grad is None for p in model.parameters())  # the probe leaves no gradient behind
     hopeless = _Meter(model, ids, limit=1)
     fit = choose_checkpointing(model, hopeless.probe, hopeless, pending_bytes=0, tokens=96)
-    assert fit.mode == "full" and not fit.fits and "does not fit" in fit.describe()
+    assert fit.mode == "full+offload+tiled" and not fit.fits and "does not fit" in fit.describe()
     assert model.model.layers[1]._pair_dpo_checkpoint  # left marked with the choice
+    assert model.model._pair_dpo_offload_on and model.model.layers[1].mlp._pair_dpo_mlp_tile == "auto"
+
+
+class _InjectedMeter:
+    """Peaks given per candidate (the GPU measurement stands apart); records what each probe ran: the checkpointed
+    layers, host offload and the MLP tiles as the model was marked, read from the model during the real probe."""
+
+    def __init__(self, model: torch.nn.Module, peaks: dict[str, int], limit: int) -> None:
+        self.model, self.peaks, self._limit = model, peaks, limit
+        self.ran: list[tuple[int, bool, object]] = []
+
+    def reset(self) -> None:
+        pass
+
+    def probe(self) -> None:
+        layers = self.model.model.layers
+        marked = (sum(layer._pair_dpo_checkpoint for layer in layers), self.model.model._pair_dpo_offload_on)
+        self.ran.append((*marked, layers[0].mlp._pair_dpo_mlp_tile))
+        _saved_bytes(self.model, torch.randint(4, 64, (1, 40)))  # a real forward and backward as marked
+
+    def peak(self) -> int:
+        return list(self.peaks.values())[len(self.ran) - 1]
+
+    def limit(self) -> int:
+        return self._limit
+
+
+PEAKS = {"off": 100, "selective": 90, "layers:4": 88, "layers:3": 86, "layers:2": 80, "full": 70,
+         "full+offload": 55, "full+offload+tiled": 35}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "limit,choice,marks",
+    [
+        (75, "full", (2, False, None)),
+        (60, "full+offload", (2, True, None)),
+        (40, "full+offload+tiled", (2, True, "auto")),
+    ],
+)
+def test_auto_adds_offload_then_tiles_when_full_checkpointing_does_not_fit(limit, choice, marks):
+    """Beyond ``full``: the layer inputs in host memory, then also the MLP in tiles; the first that fits is kept, the
+    model left marked with it, and the summary names it."""
+    from pair_dpo_trainer.training.memory_fit import CANDIDATES
+
+    assert tuple(PEAKS) == CANDIDATES
+    model = tiny_llama(0)
+    meter = _InjectedMeter(model, PEAKS, limit)
+    fit = choose_checkpointing(model, meter.probe, meter, pending_bytes=5, tokens=40)
+    assert fit.mode == choice and fit.fits and fit.peak_bytes == PEAKS[choice] + 5
+    assert meter.ran[-1] == marks and len(meter.ran) == CANDIDATES.index(choice) + 1
+    assert meter.ran[0] == (0, False, None) and meter.ran[1][:2] == (2, False)  # off, then selective (every layer)
+    assert f"auto -> {choice} (" in fit.describe()
+    layers = model.model.layers  # left marked with the choice
+    left = (sum(layer._pair_dpo_checkpoint for layer in layers), model.model._pair_dpo_offload_on, layers[1].mlp)
+    assert left[:2] == marks[:2] and left[2]._pair_dpo_mlp_tile == marks[2]
+
+
+def test_auto_keeps_the_configured_tiles_and_offload_in_every_candidate():
+    from pair_dpo_trainer.training.memory_fit import Strategy
+
+    model = tiny_llama(0)
+    meter = _InjectedMeter(model, PEAKS, limit=60)
+    fit = choose_checkpointing(
+        model, meter.probe, meter, pending_bytes=0, tokens=40, kept=Strategy("auto", offload=True, tiled_mlp=16)
+    )
+    assert fit.mode == "full+offload"
+    assert all(offload and tiles == 16 for _, offload, tiles in meter.ran)
 
 
 @pytest.mark.integration
@@ -304,11 +371,16 @@ def test_a_checkpointed_trainer_reports_the_mode_and_matches_the_plain_losses(tm
     plain = _trainer(tmp_path / "plain", max_steps=2)
     plain.train()
     checked = _trainer(
-        tmp_path / "ckpt", max_steps=2, activation_checkpointing_mode="layers:2", activation_offload=True
+        tmp_path / "ckpt",
+        max_steps=2,
+        activation_checkpointing_mode="layers:2",
+        activation_offload=True,
+        tiled_mlp=5,
     )
     checked.train()
     line = [line for line in capsys.readouterr().out.splitlines() if line.startswith("pair_dpo: world_size=")][-1]
     assert "activation checkpointing layers:2" in line and "offloaded to host memory" in line
+    assert "MLP in tiles of 5 tokens" in line
     losses = [[e["loss"] for e in t.state.log_history if "loss" in e] for t in (plain, checked)]
     assert losses[0] == pytest.approx(losses[1], abs=1e-6)
 
@@ -339,3 +411,23 @@ def _train_fp8_compiled_from_ln2(tmp_path, backend):
     trainer.train()
     first = next(e["loss"] for e in trainer.state.log_history if "loss" in e)
     assert first == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_prepare_layers_applies_the_auto_choice_to_the_policy_and_the_reference_and_names_it(tmp_path, monkeypatch):
+    """Through ``prepare_layers`` (the meter injected): the policy is left checkpointed, offloaded and tiled, the
+    in-process reference's MLP runs in the same tiles, and the run summary's layer part names the choice."""
+    from pair_dpo_trainer.training import layers as training_layers
+
+    policy, reference = tiny_llama(0), tiny_llama(1)
+    meter = _InjectedMeter(policy, PEAKS, limit=40)
+    monkeypatch.setattr(training_layers, "CudaPeakMeter", lambda _device: meter)
+    monkeypatch.setattr(training_layers, "optimizer_state_bytes", lambda _model: 0)
+    args = cpu_config(
+        tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=64, gradient_accumulation_steps=1
+    )
+    plan = training_layers.prepare_layers(policy, reference, args, probe=meter.probe, training=True)
+    assert (plan.checkpointing, plan.offload, plan.tiled_mlp) == ("full", True, "auto")
+    described = plan.describe()
+    assert "auto -> full+offload+tiled (peak" in described and "MLP in tiles of about hidden_size" in described
+    assert all(layer.mlp._pair_dpo_mlp_tile == "auto" for layer in reference.model.layers)
+    assert policy.model._pair_dpo_offload_on and all(layer._pair_dpo_checkpoint for layer in policy.model.layers)

@@ -270,16 +270,22 @@ def _tokenizer(path: str):
 
 
 @pytest.mark.integration
-def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(tmp_path, tokenizer_dir, demo_rows, capsys):
+@pytest.mark.parametrize("share_prompt", [False, True], ids=["unshared", "shared-prompt"])
+def test_max_tokens_per_microbatch_rejects_pairs_over_the_budget(
+    tmp_path, tokenizer_dir, demo_rows, capsys, share_prompt
+):
+    """The budget counts the layout named: ``--share-prompt`` admits by prompt + chosen + rejected."""
     source = _write_jsonl(tmp_path / "in.jsonl", demo_rows)
     tok = _tokenizer(tokenizer_dir)
-    costs = sorted(tokenize_pair(normalize_row(r), tok, max_length=1024, max_prompt_length=512).cost for r in demo_rows)
+    pairs = [tokenize_pair(normalize_row(r), tok, max_length=1024, max_prompt_length=512) for r in demo_rows]
+    costs = sorted(p.cost - (len(p.prompt_ids) if share_prompt else 0) for p in pairs)
     budget = costs[len(costs) // 2]  # about half the pairs cost more
     out = tmp_path / "out"
-    code = _prepare([source], out, tokenizer_dir, "--max-tokens-per-microbatch", str(budget), train=10, eval_=2)
+    flags = ["--max-tokens-per-microbatch", str(budget)] + (["--share-prompt"] if share_prompt else [])
+    code = _prepare([source], out, tokenizer_dir, *flags, train=10, eval_=2)
     assert code == 0
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["max_tokens_per_microbatch"] == budget
+    assert manifest["max_tokens_per_microbatch"] == budget and manifest["budget_share_prompt"] is share_prompt
     assert manifest["rejections"]["pair_too_long"] == sum(c > budget for c in costs) > 0
     assert "pair_too_long" in capsys.readouterr().out
 

@@ -118,7 +118,9 @@ def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2")
-    proc = torchrun("sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,precompute,resize"))
+    proc = torchrun(
+        "sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,precompute,too_long,resize")
+    )
     return out, proc.stdout
 
 
@@ -194,6 +196,17 @@ def test_reference_log_probs_precomputed_by_a_group_train_like_the_online_refere
     precomputed = json.loads((out / "precompute.json").read_text())["losses"]
     online = torch.load(out / "train.pt")["losses"]
     assert precomputed == pytest.approx(online, abs=1e-6)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_pair_longer_than_the_groups_row_is_refused_on_every_rank_naming_the_limit(two_ranks):
+    out, _ = two_ranks
+    for rank in range(2):
+        result = json.loads((out / f"too_long_rank{rank}.json").read_text())
+        assert result["reason_code"] == "pair_too_long", result
+        assert "costs 50 tokens" in result["message"]
+        assert "max_tokens_per_microbatch=20 tokens per rank x sequence_parallel_size=2 = 40" in result["message"]
 
 
 @pytest.mark.distributed

@@ -314,6 +314,30 @@ def test_the_budget_plans_prompt_plus_completions_and_trains_as_the_unshared_lay
     assert shared.evaluate()["eval_loss"] == pytest.approx(plain.evaluate()["eval_loss"], abs=1e-6)
 
 
+def test_the_budget_admits_a_pair_by_its_cost_in_the_run_layout(tmp_path) -> None:
+    """A pair with P + C + R <= budget < 2P + C + R: the shared-prompt run admits it (on every input path: in-memory
+    rows, a tokenised ``datasets.Dataset``) and trains it in a row within the budget; the unshared run refuses it with
+    ``pair_too_long`` naming its cost and the limit."""
+    from datasets import Dataset
+
+    from pair_dpo_trainer.errors import PreferenceRowError
+    from tests.dpo_fixtures import synthetic_pairs
+
+    rng = random.Random(5)
+    long_pair = _pair(_tokens(rng, 25), _tokens(rng, 4) + [EOS], _tokens(rng, 5) + [EOS])  # 36 shared, 61 unshared
+    pairs = [long_pair, *synthetic_pairs(15, seed=2)]
+    shared = _budget_trainer(tmp_path / "shared", pairs, share_prompt=True, max_steps=2)
+    assert shared._costs(shared.train_dataset).tolist()[0] == 36
+    shared.train()
+    assert all(mb.num_tokens <= 60 for step in shared.get_train_dataloader() for mb in step.microbatches)
+    for dataset in (pairs, Dataset.from_list(pairs)):
+        with pytest.raises(PreferenceRowError) as refused:
+            _budget_trainer(tmp_path / "plain", dataset, share_prompt=False)
+        assert refused.value.reason_code == "pair_too_long"
+        assert "row 0" in str(refused.value) and "costs 61 tokens" in str(refused.value)
+        assert "max_tokens_per_microbatch=60" in str(refused.value)
+
+
 def test_resuming_with_the_other_layout_is_refused(tmp_path) -> None:
     from pair_dpo_trainer.errors import CheckpointError
     from tests.dpo_fixtures import synthetic_pairs

@@ -298,6 +298,7 @@ def test_tiny_cpu_budget_run_counts_microbatches_and_times_the_microbatch_ceilin
     ceiling = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()][0]
     assert ceiling["impl"] == "pair_dpo_ceiling" and ceiling["ceiling_rows"] == "microbatches"
     assert ceiling["real_tokens_per_step"] == row["real_tokens_per_step"]  # the same pairs, pad not counted
+    assert ceiling["microbatches_per_step_mean"] == row["microbatches_per_step_mean"]  # planned by the same costs
 
 
 def test_trl_side_takes_the_former_baseline_flags():

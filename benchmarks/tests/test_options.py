@@ -97,8 +97,10 @@ def test_the_new_options_pass_only_when_given_and_fp8_needs_torchao(bench, monke
     assert {"fp8", "activation_checkpointing_mode", "activation_offload"} <= fields
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: object())  # torchao "installed"
     argv = ["--activation-checkpointing", "layers:2", "--activation-offload", "--fp8", "tensorwise"]
+    argv += ["--tiled-mlp", "512"]
     assert bench.new_option_kwargs(bench.parse_args(argv), fields) == {
         "activation_checkpointing_mode": "layers:2", "activation_offload": True, "fp8": "tensorwise",
+        "tiled_mlp": "512",
     }  # fmt: skip
     assert bench.new_option_kwargs(bench.parse_args([]), fields) == {}
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name: None)

@@ -80,8 +80,15 @@ def _add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="T",
-        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected): the token budget of one "
-        "micro-batch you will train with (PairDPOConfig.max_tokens_per_microbatch).",
+        help="Reject pairs costing more than T tokens (2 x prompt + chosen + rejected; prompt + chosen + rejected "
+        "with --share-prompt): the token budget of one micro-batch you will train with "
+        "(PairDPOConfig.max_tokens_per_microbatch).",
+    )
+    parser.add_argument(
+        "--share-prompt",
+        action="store_true",
+        help="Count each prompt once against --max-tokens-per-microbatch: the shared-prompt layout the trainer packs "
+        "where the model supports it (PairDPOConfig.share_prompt). The run checks its budget in its own layout.",
     )
 
 

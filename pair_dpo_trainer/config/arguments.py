@@ -164,8 +164,8 @@ class PairDPOConfig(TrainingArguments):
         default=None,
         metadata={
             "help": "Token budget of one packed micro-batch (its row length: prompt + chosen + rejected summed over "
-            "its pairs with share_prompt, 2 x prompt + chosen + rejected without; a pair is admitted by the latter, "
-            "so the same data serves both layouts). Set: per_device_train_batch_size is the pairs per GPU per "
+            "its pairs with share_prompt, 2 x prompt + chosen + rejected without; a pair is admitted and planned by "
+            "its cost in the run's layout). Set: per_device_train_batch_size is the pairs per GPU per "
             "optimizer step, gradient_accumulation_steps must be 1, and each step's pairs are packed into as many "
             "micro-batches of <= this many tokens as the busiest rank needs (the same count on every rank); eval "
             "micro-batches keep to it too; a longer pair is rejected ('pair_too_long'). None: exactly "
@@ -197,8 +197,9 @@ class PairDPOConfig(TrainingArguments):
             "help": "Activation checkpointing of the policy's decoder layers (recompute in backward instead of "
             "storing): 'off'; 'full' (every layer); 'layers:K' (every K-th layer, K >= 2); 'selective' (every "
             "layer, but matmul and attention outputs are kept: only the cheap element-wise ops are recomputed); "
-            "'auto' (with max_tokens_per_microbatch: the cheapest of these whose measured peak memory at the "
-            "token budget fits the GPU, chosen once at the start of train() and named in the run summary). "
+            "'auto' (with max_tokens_per_microbatch: the cheapest of these, then 'full' with activation_offload, then "
+            "also tiled_mlp, whose measured peak memory at the token budget fits the GPU, chosen once at the start "
+            "of train() and named in the run summary). "
             "Not together with gradient_checkpointing (the Trainer's own, which checkpoints every layer)."
         },
     )
@@ -208,6 +209,16 @@ class PairDPOConfig(TrainingArguments):
             "help": "Keep the decoder's saved activations in pinned host memory during forward and copy them back "
             "in backward (torch.autograd.graph.save_on_cpu): less GPU memory, paid for in PCIe copies; best with "
             "activation_checkpointing_mode (only the layer inputs are saved)."
+        },
+    )
+    tiled_mlp: int | str | None = field(
+        default=None,
+        metadata={
+            "help": "Compute every decoder layer's MLP in sequence tiles of this many tokens (forward and backward), "
+            "so its intermediate (intermediate_size x tokens) exists for one tile at a time: long rows fit in less "
+            "memory, paid for by one more MLP forward per micro-batch. 'auto': tiles of about hidden_size tokens. "
+            "None: off (activation_checkpointing_mode='auto' still adds tiles itself when full checkpointing with "
+            "offload does not fit; a value set here stays on in every candidate). Not with ZeRO-3 / FSDP2."
         },
     )
     attn_backend: str = field(

@@ -86,6 +86,29 @@ def parse_activation_checkpointing(mode: Any) -> tuple[str, int] | None:
     return None
 
 
+def parse_tiled_mlp(value: Any) -> int | str | None:
+    """A ``tiled_mlp`` value as the tiles it asks for: None (off), ``"auto"`` or the tokens per tile (an int, or its
+    decimal string as a command line gives it).
+
+    Example:
+        >>> parse_tiled_mlp(None), parse_tiled_mlp("auto"), parse_tiled_mlp("4096"), parse_tiled_mlp(2048)
+        (None, 'auto', 4096, 2048)
+
+    Raises:
+        ValueError: Anything else (the message names the option and the values it takes).
+    """
+    if value is None or value == "auto":
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if _is_count(value, 1):
+        return int(value)
+    raise ValueError(
+        f"tiled_mlp={value!r}: use None (off), 'auto' (tiles of about hidden_size tokens) or a positive number of "
+        "tokens per tile."
+    )
+
+
 def _is_count(value: Any, minimum: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
 
@@ -225,7 +248,8 @@ def _budget_problems(config: Any) -> list[Problem]:
 
 
 def _memory_problems(config: Any) -> list[Problem]:
-    """``fp8``, ``activation_checkpointing_mode`` and ``activation_offload`` values and their combinations."""
+    """``fp8``, ``activation_checkpointing_mode``, ``activation_offload`` and ``tiled_mlp`` values and their
+    combinations."""
     problems: list[Problem] = []
     if config.fp8 is not None and config.fp8 not in FP8_RECIPES:
         problems.append(("bad_fp8", f"fp8={config.fp8!r}: use one of {list(FP8_RECIPES)}, or None (off)."))
@@ -247,6 +271,10 @@ def _memory_problems(config: Any) -> list[Problem]:
                 "gradient_checkpointing).",
             )
         )
+    try:
+        parse_tiled_mlp(config.tiled_mlp)
+    except ValueError as exc:
+        problems.append(("bad_tiled_mlp", str(exc)))
     if mode == "auto" and config.max_tokens_per_microbatch is None:
         problems.append(
             (

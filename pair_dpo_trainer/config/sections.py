@@ -119,6 +119,7 @@ class LayerOptions:
         logps_chunk_size: Scored tokens per chunk of the log-prob head.
         zero3_leaf_modules: ``zero3_leaf_modules`` as given (``"auto"``, ``"none"`` or class names).
         sequence_parallel_size: Ranks whose models hold one row together (1: none).
+        tiled_mlp: The decoder MLPs' sequence tiles (None: whole rows; ``"auto"`` or a tile size in tokens).
     """
 
     attn_backend: str = "auto"
@@ -131,6 +132,7 @@ class LayerOptions:
     logps_chunk_size: int = 4096
     zero3_leaf_modules: str = "auto"
     sequence_parallel_size: int = 1
+    tiled_mlp: int | str | None = None
 
     @classmethod
     def from_config(cls, config: Any) -> LayerOptions:
@@ -146,6 +148,7 @@ class LayerOptions:
             logps_chunk_size=int(config.logps_chunk_size),
             zero3_leaf_modules=config.zero3_leaf_modules,
             sequence_parallel_size=int(getattr(config, "sequence_parallel_size", 1)),
+            tiled_mlp=getattr(config, "tiled_mlp", None),
         )
 
     @property

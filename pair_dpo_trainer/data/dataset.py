@@ -73,6 +73,7 @@ def pair_dataset_and_rendering(
     max_length: int,
     max_prompt_length: int,
     max_tokens_per_microbatch: int | None,
+    share_prompt: bool = False,
     progress: bool = False,
     desc: str = "dataset",
     num_proc: int = 1,
@@ -96,6 +97,8 @@ def pair_dataset_and_rendering(
         tokenizer: The run's tokenizer.
         max_length / max_prompt_length / max_tokens_per_microbatch: See
             :func:`pair_dpo_trainer.data.tokenize.tokenize_pair`.
+        share_prompt: The run packs the shared-prompt layout, so the budget admits a pair by ``prompt + chosen +
+            rejected`` (else ``2 x prompt + chosen + rejected``): what the samplers balance and the row holds.
         progress: Show a progress bar (rows/s) on stderr while converting.
         desc: Name of the dataset in messages, the log line and the progress bar.
         num_proc: Worker processes that convert rows (on the node's local main process).
@@ -119,6 +122,8 @@ def pair_dataset_and_rendering(
     """
     limits: dict[str, Any] = dict(max_length=max_length, max_prompt_length=max_prompt_length)
     limits["max_tokens_per_microbatch"] = max_tokens_per_microbatch
+    if max_tokens_per_microbatch is not None:  # the layout admits pairs only under a budget (and keys the cache)
+        limits["share_prompt"] = share_prompt
     options: dict[str, Any] = dict(progress=progress, num_proc=num_proc, cache_dir=cache_dir, once=once)
     options.update(apply_chat_template_to_strings=apply_chat_template_to_strings, vocab_size=vocab_size)
     if isinstance(dataset, Mapping):  # several eval sets by name, as Trainer accepts them
@@ -257,7 +262,8 @@ def prepared_limits(datasets: Any) -> tuple[int, int] | None:
 
 
 def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
-    """Raises the ``pair_too_long`` error of the first pair of ``rows`` that costs more than the micro-batch budget.
+    """Raises the ``pair_too_long`` error of the first pair of ``rows`` that costs more than the micro-batch budget
+    in the run's packed layout (``limits["share_prompt"]``).
 
     The costs come from the Arrow lengths (:func:`~pair_dpo_trainer.data.costs.pair_cost_array`); the error is the
     one :func:`~pair_dpo_trainer.data.tokenize.truncate_pair` raises for that row, named by its index.
@@ -265,7 +271,7 @@ def check_budget(rows: Any, limits: Mapping[str, Any], desc: str) -> None:
     budget = limits.get("max_tokens_per_microbatch")
     if budget is None:
         return
-    over = np.flatnonzero(pair_cost_array(rows) > budget)
+    over = np.flatnonzero(pair_cost_array(rows, share_prompt=limits.get("share_prompt", False)) > budget)
     if over.size == 0:
         return
     index = int(over[0])

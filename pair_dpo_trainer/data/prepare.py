@@ -220,6 +220,7 @@ def _read_all(args: argparse.Namespace, tokenizer: Any, candidates: Path) -> Rea
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "share_prompt": bool(args.share_prompt),
     }
     return read_inputs(
         list(args.inputs),
@@ -294,6 +295,7 @@ def _manifest(
         "max_length": args.max_length,
         "max_prompt_length": args.max_prompt_length,
         "max_tokens_per_microbatch": args.max_tokens_per_microbatch,
+        "budget_share_prompt": bool(args.share_prompt),
         "apply_chat_template_to_strings": args.apply_chat_template_to_strings,
         "renderings": {name: read.tally.renderings[name] for name in sorted(read.tally.renderings)},
         "tokenizer": tokenizer_info,

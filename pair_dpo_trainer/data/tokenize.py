@@ -81,6 +81,10 @@ class TokenizedPair:
         """Tokens of both sequences of the pair: ``2 * len(prompt) + len(chosen) + len(rejected)``."""
         return 2 * len(self.prompt_ids) + len(self.chosen_ids) + len(self.rejected_ids)
 
+    def packed_cost(self, *, share_prompt: bool) -> int:
+        """Tokens the pair takes in a packed row: :attr:`cost`, less one prompt in the shared-prompt layout."""
+        return self.cost - (len(self.prompt_ids) if share_prompt else 0)
+
     def to_features(self) -> dict[str, list[int]]:
         """Returns the columns ``prompt_input_ids``, ``chosen_input_ids`` and ``rejected_input_ids``."""
         return {
@@ -132,6 +136,7 @@ def tokenize_pair(
     max_length: int,
     max_prompt_length: int | None,
     max_tokens_per_microbatch: int | None = None,
+    share_prompt: bool = False,
     apply_chat_template_to_strings: bool = False,
 ) -> TokenizedPair:
     """Tokenises and truncates one normalised pair (raw text or the chat template: module docstring).
@@ -141,8 +146,10 @@ def tokenize_pair(
         tokenizer: A Hugging Face tokenizer with an ``eos_token_id`` (and a chat template for message rows).
         max_length: Maximum tokens of one sequence (prompt + one completion).
         max_prompt_length: Maximum prompt tokens (left truncation), or ``None`` for no prompt-specific limit.
-        max_tokens_per_microbatch: If given, a pair whose ``cost`` exceeds it raises ``pair_too_long`` (the budget
-            of one packed micro-batch).
+        max_tokens_per_microbatch: If given, a pair whose packed cost exceeds it raises ``pair_too_long`` (the
+            budget of one packed micro-batch).
+        share_prompt: The run packs the shared-prompt layout: a pair's packed cost counts its prompt once
+            (:meth:`TokenizedPair.packed_cost`), else twice.
         apply_chat_template_to_strings: Render a plain-string pair with the chat template (one user turn, one
             assistant turn) instead of as raw text.
 
@@ -162,7 +169,7 @@ def tokenize_pair(
         >>> tokenizer.decode(tp.prompt_ids), tokenizer.decode(tp.chosen_ids)  # doctest: +SKIP
         ('<|user|>Hi\\n<|assistant|>', 'Hello!</s>')
     """
-    _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
+    _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch, share_prompt)
     eos = _eos_token_id(tokenizer)
     rendering = rendering_of(pair, apply_chat_template_to_strings=apply_chat_template_to_strings)
     if rendering == "strings_raw":
@@ -179,6 +186,7 @@ def tokenize_pair(
         max_length=max_length,
         max_prompt_length=max_prompt_length,
         max_tokens_per_microbatch=max_tokens_per_microbatch,
+        share_prompt=share_prompt,
     )
     return replace(truncated, rendering=rendering)
 
@@ -191,13 +199,14 @@ def truncate_pair(
     max_length: int,
     max_prompt_length: int | None,
     max_tokens_per_microbatch: int | None = None,
+    share_prompt: bool = False,
 ) -> TokenizedPair:
     """Left-truncates the prompt, right-truncates the completions, then checks the pair: the one truncation rule of
     every input path (raw rows, pre-tokenised rows, prepared directories).
 
     Args:
         prompt_ids / chosen / rejected: Token ids; completions end with EOS unless already cut.
-        max_length / max_prompt_length / max_tokens_per_microbatch: See :func:`tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch / share_prompt: See :func:`tokenize_pair`.
 
     Returns:
         The pair, ``truncated=True`` when something was cut (a cut completion loses its EOS with its tail).
@@ -231,12 +240,13 @@ def truncate_pair(
             f"the chosen and rejected completions {detail}; the pair carries no preference signal "
             "(drop it, or raise max_length / lower max_prompt_length if they differ later).",
         )
-    if max_tokens_per_microbatch is not None and truncated.cost > max_tokens_per_microbatch:
+    cost = truncated.packed_cost(share_prompt=share_prompt)
+    if max_tokens_per_microbatch is not None and cost > max_tokens_per_microbatch:
+        layout = "prompt + chosen + rejected, shared prompt" if share_prompt else "2 x prompt + chosen + rejected"
         raise PreferenceRowError(
             "pair_too_long",
-            f"the pair costs {truncated.cost} tokens (2 x prompt + chosen + rejected), more than "
-            f"max_tokens_per_microbatch={max_tokens_per_microbatch}; lower max_length / max_prompt_length or raise the "
-            "micro-batch token budget.",
+            f"the pair costs {cost} tokens ({layout}), more than max_tokens_per_microbatch="
+            f"{max_tokens_per_microbatch}; lower max_length / max_prompt_length or raise the micro-batch token budget.",
         )
     return truncated
 
@@ -248,6 +258,7 @@ def tokenize_dataset(
     max_length: int,
     max_prompt_length: int | None,
     max_tokens_per_microbatch: int | None = None,
+    share_prompt: bool = False,
     strict: bool = False,
     keep_pairs: bool = False,
     progress: bool | None = None,
@@ -263,7 +274,7 @@ def tokenize_dataset(
         tokenizer: A Hugging Face tokenizer (with a chat template for message rows).
         max_length: See :func:`tokenize_pair`.
         max_prompt_length: See :func:`tokenize_pair`.
-        max_tokens_per_microbatch: See :func:`tokenize_pair`.
+        max_tokens_per_microbatch / share_prompt: See :func:`tokenize_pair`.
         strict: Raise the first :class:`PreferenceRowError` (its message names the row) instead of
             counting it.
         keep_pairs: Also return the normalised pair of every accepted row.
@@ -283,7 +294,7 @@ def tokenize_dataset(
         >>> result.num_accepted, dict(result.rejections)  # doctest: +SKIP
         (1, {'schema': 1})
     """
-    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
+    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch, share_prompt)
 
     def convert(row: Any) -> tuple[PreferencePair, dict[str, Any], bool, str | None]:
         pair = normalize_row(row, chat_strings=apply_chat_template_to_strings)
@@ -304,6 +315,7 @@ def truncate_dataset(
     max_length: int,
     max_prompt_length: int | None,
     max_tokens_per_microbatch: int | None = None,
+    share_prompt: bool = False,
     strict: bool = True,
     progress: bool | None = None,
     desc: str = "dataset",
@@ -314,7 +326,7 @@ def truncate_dataset(
 
     Args:
         rows: A ``datasets.Dataset`` or iterable of mappings with the three ``*_input_ids`` columns.
-        max_length / max_prompt_length / max_tokens_per_microbatch: See :func:`tokenize_pair`.
+        max_length / max_prompt_length / max_tokens_per_microbatch / share_prompt: See :func:`tokenize_pair`.
         strict / progress / desc / first_row / row_names: See :func:`tokenize_dataset`.
 
     Returns:
@@ -327,7 +339,7 @@ def truncate_dataset(
         >>> result.features[0]["prompt_input_ids"], result.features[0]["chosen_input_ids"], result.num_truncated
         ([2, 3], [4, 5], 1)
     """
-    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch)
+    limits = _checked_limits(max_length, max_prompt_length, max_tokens_per_microbatch, share_prompt)
 
     def convert(row: Any) -> tuple[None, dict[str, Any], bool, str | None]:
         tokenized = truncate_pair(*(row[column] for column in FEATURE_COLUMNS), **limits)
@@ -396,9 +408,10 @@ def _convert_rows(
 
 
 def _checked_limits(
-    max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None
+    max_length: int, max_prompt_length: int | None, max_tokens_per_microbatch: int | None, share_prompt: bool
 ) -> dict[str, Any]:
-    """The three length limits as the keyword arguments of :func:`tokenize_pair` / :func:`truncate_pair`.
+    """The three length limits and the layout the budget counts as the keyword arguments of :func:`tokenize_pair` /
+    :func:`truncate_pair`.
 
     Raises:
         ConfigError: ``bad_length`` for a limit that is not a positive integer.
@@ -416,6 +429,7 @@ def _checked_limits(
         "max_length": max_length,
         "max_prompt_length": max_prompt_length,
         "max_tokens_per_microbatch": max_tokens_per_microbatch,
+        "share_prompt": bool(share_prompt),
     }
 
 

@@ -151,18 +151,20 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> int:
     return marked
 
 
-def offload_activations(model: torch.nn.Module) -> None:
+def offload_activations(model: torch.nn.Module, on: bool = True) -> None:
     """Runs the decoder stack of ``model`` under ``torch.autograd.graph.save_on_cpu(pin_memory=True)``: its saved
-    activations wait for backward in pinned host memory (synchronous copies on the compute stream). Idempotent."""
+    activations wait for backward in pinned host memory (synchronous copies on the compute stream). Idempotent;
+    ``on=False`` turns it off again (the auto mode's measurement tries both)."""
     target = unwrap_model(model)
     decoder = target.get_decoder() if hasattr(target, "get_decoder") else target
-    if getattr(decoder, "_pair_dpo_offload", False):
+    decoder._pair_dpo_offload_on = on
+    if getattr(decoder, "_pair_dpo_offload", False) or not on:
         return
     inner = decoder.forward
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
-        use = decoder.training and torch.is_grad_enabled()
+        use = decoder._pair_dpo_offload_on and decoder.training and torch.is_grad_enabled()
         device_type = next(decoder.parameters()).device.type
         pin = device_type == "cuda"
         hooks = torch.autograd.graph.save_on_cpu(pin_memory=pin, device_type=device_type) if use else None

@@ -24,6 +24,7 @@ from pair_dpo_trainer.losses.checks import loss_problems
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
 from pair_dpo_trainer.modeling.float8 import fp8_problems
+from pair_dpo_trainer.modeling.tiled_mlp import tiled_mlp_problems
 from pair_dpo_trainer.observability.metrics import report_to_problems
 from pair_dpo_trainer.parallel.fsdp2 import fsdp2_problems
 from pair_dpo_trainer.parallel.sequence import sequence_parallel_problems
@@ -128,4 +129,5 @@ def run_problems(args: PairDPOConfig, setup: RunSetup, options: RunOptions | Non
             process_group=setup.process_group,
         )
     )
+    problems.extend(tiled_mlp_problems(layers.tiled_mlp, sharded=sharded))
     return problems

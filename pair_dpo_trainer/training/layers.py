@@ -1,6 +1,7 @@
 """What runs inside the decoder layers, set up once at the start of ``train()`` / ``evaluate()``, in the only order
 that works: float8 conversion (policy and an in-process reference), then activation checkpointing of the policy
-(``auto`` measured here), then host offload, then regional compile (and the chunked head's element-wise work).
+(``auto`` measured here), then host offload and the MLP's tiles (policy and reference), then regional compile (and the
+chunked head's element-wise work).
 
 The reference is converted like the policy (the same float8 recipe, the same weights: at step 0 both compute the same
 log-probs, so the sigmoid loss is ln 2); it is never checkpointed (it runs without gradient).
@@ -24,15 +25,19 @@ from pair_dpo_trainer.modeling.chunked_head import compile_head_kernels
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
+from pair_dpo_trainer.modeling.tiled_mlp import apply_tiled_mlp
 from pair_dpo_trainer.modeling.wrappers import forward_replaced
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
     CANDIDATES,
     CudaPeakMeter,
     MemoryFit,
+    Strategy,
+    apply_strategy,
     choose_checkpointing,
     most_conservative,
     optimizer_state_bytes,
+    strategy,
 )
 
 
@@ -46,6 +51,7 @@ class LayerPlan:
         checkpointing: The activation-checkpointing mode applied to the policy (``auto`` resolved).
         fit: The auto mode's measurement, when it ran.
         offload: Saved activations wait in host memory.
+        tiled_mlp: The MLP's tiles (``"auto"`` or tokens per tile), None: untiled.
     """
 
     fp8: str | None = None
@@ -53,6 +59,7 @@ class LayerPlan:
     checkpointing: str = "off"
     fit: MemoryFit | None = None
     offload: bool = False
+    tiled_mlp: int | str | None = None
 
     def describe(self) -> str:
         """`` | fp8 tensorwise (168 layers) | activation checkpointing layers:2`` (empty when nothing is set)."""
@@ -65,6 +72,9 @@ class LayerPlan:
             parts.append(f"activation checkpointing {self.checkpointing}")
         if self.offload:
             parts.append("activations offloaded to host memory")
+        if self.tiled_mlp is not None:
+            size = "about hidden_size" if self.tiled_mlp == "auto" else str(self.tiled_mlp)
+            parts.append(f"MLP in tiles of {size} tokens")
         return "".join(f" | {part}" for part in parts)
 
 
@@ -94,14 +104,16 @@ def prepare_layers(
         convert_to_fp8(policy, layers.fp8, fsdp_float8_all_gather=fsdp and layers.fp8 == "tensorwise")
         if reference_model is not None:
             convert_to_fp8(reference_model, layers.fp8)
-    mode, fit = layers.activation_checkpointing_mode, None
-    if training and mode == "auto":
-        fit = _measure(policy, probe, budget)
-        mode = fit.mode
-    if training and mode != "auto":
-        apply_activation_checkpointing(policy, mode)
-    if training and layers.activation_offload:
+    auto = training and layers.activation_checkpointing_mode == "auto"
+    fit = _measure(policy, probe, layers, budget, reference_model) if auto else None
+    chosen = _chosen(layers, fit)
+    if training and chosen.mode != "auto":
+        apply_activation_checkpointing(policy, chosen.mode)
+    if training and chosen.offload:
         offload_activations(policy)
+    for model in (policy, reference_model):
+        if model is not None:
+            apply_tiled_mlp(model, chosen.tiled_mlp)
     if layers.torch_compile:
         backend, compile_mode = layers.compile_backend, layers.torch_compile_mode
         if layers.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
@@ -111,9 +123,20 @@ def prepare_layers(
         if reference_model is not None:
             compile_decoder_layers(reference_model, backend=backend, mode=compile_mode)
         if fit is not None and fit.mode != CANDIDATES[0]:
-            fit = _measure_compiled(policy, probe, budget, fit)
-            mode = fit.mode
-    return LayerPlan(layers.fp8, count_fp8_layers(policy), mode, fit, bool(layers.activation_offload))
+            fit = _measure_compiled(policy, probe, layers, budget, fit, reference_model)
+            chosen = _chosen(layers, fit)
+    return LayerPlan(layers.fp8, count_fp8_layers(policy), chosen.mode, fit, chosen.offload, chosen.tiled_mlp)
+
+
+def _kept(layers: LayerOptions) -> Strategy:
+    """The config's own offload and tiles: on in every strategy (``auto``'s candidates too)."""
+    return Strategy(layers.activation_checkpointing_mode, bool(layers.activation_offload), layers.tiled_mlp)
+
+
+def _chosen(layers: LayerOptions, fit: MemoryFit | None) -> Strategy:
+    """What the layers run: the auto mode's measured choice, else the config's settings."""
+    kept = _kept(layers)
+    return kept if fit is None else strategy(fit.mode, offload=kept.offload, tiled_mlp=kept.tiled_mlp)
 
 
 COMPILED_TRIES = 3
@@ -140,7 +163,9 @@ class Budget:
 def _measure(
     policy: torch.nn.Module,
     probe: Callable[[], None] | None,
+    layers: LayerOptions,
     budget: Budget | None,
+    reference: torch.nn.Module | None,
     candidates: Sequence[str] = CANDIDATES,
 ) -> MemoryFit:
     """The first of ``candidates`` that fits on every rank (the most recompute any rank needs)."""
@@ -152,12 +177,19 @@ def _measure(
         pending_bytes=optimizer_state_bytes(policy),
         tokens=budget.tokens,
         candidates=candidates,
+        kept=_kept(layers),
+        reference=reference,
     )
-    return _agreed(policy, fit, budget.world_size)
+    return _agreed(policy, fit, layers, budget, reference)
 
 
 def _measure_compiled(
-    policy: torch.nn.Module, probe: Callable[[], None] | None, budget: Budget | None, eager: MemoryFit
+    policy: torch.nn.Module,
+    probe: Callable[[], None] | None,
+    layers: LayerOptions,
+    budget: Budget | None,
+    eager: MemoryFit,
+    reference: torch.nn.Module | None,
 ) -> MemoryFit:
     """The eager probe's choice ``eager``, or a cheaper mode that fits once the layers are compiled.
 
@@ -167,19 +199,26 @@ def _measure_compiled(
     ``eager`` when none fits, and the ranks agree as before.
     """
     cheaper = CANDIDATES[: CANDIDATES.index(eager.mode)][:COMPILED_TRIES]
-    compiled = _measure(policy, probe, budget, cheaper)
+    compiled = _measure(policy, probe, layers, budget, reference, cheaper)
     chosen = replace(compiled, compiled=True) if compiled.fits else eager
-    chosen = _agreed(policy, chosen, budget.world_size if budget is not None else 1)
-    apply_activation_checkpointing(policy, chosen.mode)  # the probe left the last mode it tried marked
+    chosen = _agreed(policy, chosen, layers, budget, reference)
+    apply_strategy(policy, _chosen(layers, chosen), reference)  # the probe left the last candidate it tried marked
     return chosen
 
 
-def _agreed(policy: torch.nn.Module, fit: MemoryFit, world_size: int) -> MemoryFit:
-    """``fit`` with the mode of the rank that recomputes the most (ranks must checkpoint the same layers)."""
+def _agreed(
+    policy: torch.nn.Module,
+    fit: MemoryFit,
+    layers: LayerOptions,
+    budget: Budget | None,
+    reference: torch.nn.Module | None,
+) -> MemoryFit:
+    """``fit`` with the candidate of the rank that needs the most (ranks must checkpoint the same layers)."""
+    world_size = budget.world_size if budget is not None else 1
     agreed = most_conservative(all_gather_cpu(fit.mode)) if world_size > 1 else fit.mode
-    if agreed != fit.mode:  # another rank needs more recompute: every rank checkpoints the same layers
-        apply_activation_checkpointing(policy, agreed)
+    if agreed != fit.mode:  # another rank needs more: every rank runs the same strategy
         fit = replace(fit, mode=agreed)
+        apply_strategy(policy, _chosen(layers, fit), reference)
     return fit
 
 

@@ -13,6 +13,7 @@ from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, ReferenceOptions
 from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering
 from pair_dpo_trainer.data.workers import resolve_num_proc
+from pair_dpo_trainer.errors import PreferenceRowError
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.peft import wrap_with_peft
@@ -75,16 +76,54 @@ def load_policy(
 
 
 def tokenized_pairs(
-    dataset: Any, tokenizer: Any, limits: BatchLimits, data: DataOptions, node: Node, *, desc: str, vocab_size: int
+    dataset: Any,
+    tokenizer: Any,
+    limits: BatchLimits,
+    data: DataOptions,
+    node: Node,
+    *,
+    desc: str,
+    vocab_size: int,
+    share_prompt: bool = False,
 ) -> tuple[Any, dict[str, str]]:
     """The tokenised pairs of one dataset argument, their ids within the model's ``vocab_size`` embedding rows, and
-    how its rows were rendered (``data.dataset.pair_dataset_and_rendering``)."""
+    how its rows were rendered (``data.dataset.pair_dataset_and_rendering``); the token budget admits each pair by
+    its cost in the run's packed layout (``share_prompt``), against the row a sequence-parallel group holds.
+
+    Raises:
+        PreferenceRowError: as ``pair_dataset_and_rendering``; under sequence parallelism ``pair_too_long`` names the
+            per-rank budget and the group size that make the row's limit.
+    """
+    try:
+        return _tokenized_pairs(dataset, tokenizer, limits, data, node, desc, vocab_size, share_prompt)
+    except PreferenceRowError as exc:
+        if exc.reason_code != "pair_too_long" or limits.sequence_parallel_size == 1:
+            raise
+        note = (
+            f" The row of a sequence-parallel group holds max_tokens_per_microbatch={limits.max_tokens_per_microbatch} "
+            f"tokens per rank x sequence_parallel_size={limits.sequence_parallel_size} = {limits.row_token_budget}: "
+            "raise either, or shorten the pair."
+        )
+        raise PreferenceRowError("pair_too_long", exc.message + note) from exc
+
+
+def _tokenized_pairs(
+    dataset: Any,
+    tokenizer: Any,
+    limits: BatchLimits,
+    data: DataOptions,
+    node: Node,
+    desc: str,
+    vocab_size: int,
+    share_prompt: bool,
+) -> tuple[Any, dict[str, str]]:
     return pair_dataset_and_rendering(
         dataset,
         tokenizer,
         max_length=limits.max_length,
         max_prompt_length=limits.max_prompt_length,
         max_tokens_per_microbatch=limits.row_token_budget,
+        share_prompt=share_prompt,
         progress=data.progress,  # shown by the process that converts (the node's local main)
         desc=desc,
         num_proc=resolve_num_proc(data.num_proc),
