@@ -425,7 +425,9 @@ def test_prepare_layers_applies_the_auto_choice_to_the_policy_and_the_reference_
     args = cpu_config(
         tmp_path, activation_checkpointing_mode="auto", max_tokens_per_microbatch=64, gradient_accumulation_steps=1
     )
-    plan = training_layers.prepare_layers(policy, reference, args, probe=meter.probe, training=True)
+    budget = training_layers.Budget(args.max_tokens_per_microbatch, args.device, args.world_size)
+    layers = LayerOptions.from_config(args)
+    plan = training_layers.prepare_layers(policy, reference, layers, probe=meter.probe, training=True, budget=budget)
     assert (plan.checkpointing, plan.offload, plan.tiled_mlp) == ("full", True, "auto")
     described = plan.describe()
     assert "auto -> full+offload+tiled (peak" in described and "MLP in tiles of about hidden_size" in described

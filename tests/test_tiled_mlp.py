@@ -128,7 +128,7 @@ def test_compiled_layers_with_tiles_equal_the_eager_untiled_model(float64_norm, 
     """Regional compile (``aot_eager``, the traceable CPU varlen kernel) of checkpointed layers whose MLP runs in
     tiles: the tiled MLP runs eagerly between the compiled pieces and the results are the eager model's."""
     from pair_dpo_trainer.modeling.compile import compile_decoder_layers
-    from pair_dpo_trainer.modeling.cpu_varlen import install_traceable_varlen
+    from pair_dpo_trainer.testing.cpu_varlen import install_traceable_varlen
 
     torch._dynamo.reset()
     batch = PackedPairCollator(share_prompt=True)(synthetic_pairs(6, seed=4))
