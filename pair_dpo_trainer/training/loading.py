@@ -95,7 +95,21 @@ def tokenized_pairs(
             per-rank budget and the group size that make the row's limit.
     """
     try:
-        return _tokenized_pairs(dataset, tokenizer, limits, data, node, desc, vocab_size, share_prompt)
+        return pair_dataset_and_rendering(
+            dataset,
+            tokenizer,
+            max_length=limits.max_length,
+            max_prompt_length=limits.max_prompt_length,
+            max_tokens_per_microbatch=limits.row_token_budget,
+            share_prompt=share_prompt,
+            progress=data.progress,  # shown by the process that converts (the node's local main)
+            desc=desc,
+            num_proc=resolve_num_proc(data.num_proc),
+            cache_dir=data.cache_dir,
+            once=node.once,  # tokenised by each node's local main, memory-mapped by the others
+            apply_chat_template_to_strings=data.apply_chat_template_to_strings,
+            vocab_size=vocab_size,
+        )
     except PreferenceRowError as exc:
         if exc.reason_code != "pair_too_long" or limits.sequence_parallel_size == 1:
             raise
@@ -105,30 +119,3 @@ def tokenized_pairs(
             "raise either, or shorten the pair."
         )
         raise PreferenceRowError("pair_too_long", exc.message + note) from exc
-
-
-def _tokenized_pairs(
-    dataset: Any,
-    tokenizer: Any,
-    limits: BatchLimits,
-    data: DataOptions,
-    node: Node,
-    desc: str,
-    vocab_size: int,
-    share_prompt: bool,
-) -> tuple[Any, dict[str, str]]:
-    return pair_dataset_and_rendering(
-        dataset,
-        tokenizer,
-        max_length=limits.max_length,
-        max_prompt_length=limits.max_prompt_length,
-        max_tokens_per_microbatch=limits.row_token_budget,
-        share_prompt=share_prompt,
-        progress=data.progress,  # shown by the process that converts (the node's local main)
-        desc=desc,
-        num_proc=resolve_num_proc(data.num_proc),
-        cache_dir=data.cache_dir,
-        once=node.once,  # tokenised by each node's local main, memory-mapped by the others
-        apply_chat_template_to_strings=data.apply_chat_template_to_strings,
-        vocab_size=vocab_size,
-    )
