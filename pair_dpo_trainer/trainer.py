@@ -44,11 +44,8 @@ from pair_dpo_trainer.fault_tolerance.preemption import stops_on_signal
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
 from pair_dpo_trainer.losses import PairLogps
 from pair_dpo_trainer.losses.length_weights import with_length_desensitization
-from pair_dpo_trainer.losses.registry import scores_chosen_prompts
 from pair_dpo_trainer.modeling.attention import enable_pair_varlen, resolve_share_prompt
-from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
-from pair_dpo_trainer.modeling.wrappers import unwrap_model
 from pair_dpo_trainer.observability.flops import flops_per_token_per_parameter, non_embedding_parameters
 from pair_dpo_trainer.observability.metrics import PairMetrics
 from pair_dpo_trainer.observability.summary import (
@@ -66,7 +63,7 @@ from pair_dpo_trainer.parallel.fsdp2 import (
     full_state_dict,
     setup_fsdp2,
 )
-from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel, step_context_problem
+from pair_dpo_trainer.parallel.sequence import apply_sequence_parallel
 from pair_dpo_trainer.parallel.zero3 import zero3_leaf_setup
 from pair_dpo_trainer.reference.base import Reference
 from pair_dpo_trainer.reference.checks import adapter_disabled_reference, ignored_reference_settings
@@ -76,8 +73,8 @@ from pair_dpo_trainer.samplers import PairBatchSampler, PairStepSampler
 from pair_dpo_trainer.samplers.evaluation import WeightedPairs
 from pair_dpo_trainer.training.accumulation import assert_finite_losses, run_step, step_normalized_loss
 from pair_dpo_trainer.training.checks import RunSetup, check_config, run_problems
-from pair_dpo_trainer.training.layers import Budget, Fp8ScaleCallback, LayerPlan, budget_probe, prepare_layers
-from pair_dpo_trainer.training.loading import PairDataLoader, load_policy, tokenized_pairs, with_peft
+from pair_dpo_trainer.training.layers import Budget, Fp8ScaleCallback, LayerPlan, ProbeInputs, prepare_run_layers
+from pair_dpo_trainer.training.loading import PairDataLoader, load_policy, pair_collator, tokenized_pairs, with_peft
 from pair_dpo_trainer.training.nonfinite import SKIPS_METRIC, NonFiniteStepGuard, deepspeed_engine_step
 from pair_dpo_trainer.training.objective import ObjectiveRuntime, StepBoundaryCallback
 from pair_dpo_trainer.training.options import guard_options, options_before_loading
@@ -163,22 +160,29 @@ class PairDPOTrainer(Trainer):
         super().__init__(
             model=model,
             args=args,
-            data_collator=PackedPairCollator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
+            data_collator=pair_collator(  # type: ignore[arg-type]  # returns a PackedPairBatch, not a dict
+                options.limits,
+                options.layers,
+                options.schedule,
+                options.objective.loss_type,
                 pad_token_id=processing_class.pad_token_id or 0,
-                pad_to_length=options.limits.row_token_budget if options.limits.pad_to_budget else None,
-                pad_to_multiple_of=None if options.limits.pad_to_budget else fp8_pad_multiple(options.layers.fp8),
-                score_chosen_prompts=scores_chosen_prompts(args.loss_type),  # ORPO's NLL covers the prompt
                 share_prompt=self.share_prompt,
-                sequence_shard=options.schedule.sequence_shard,  # this rank's slice of each row (sequence parallelism)
-            ),
+            ),  # fmt: skip
             train_dataset=train_pairs,
             eval_dataset=eval_pairs,
             processing_class=processing_class,
             **kwargs,
         )
         self.model_accepts_loss_kwargs = True  # older transformers: keep the Trainer from dividing by GA
+        self._set_up_run(model, ref_model)
+
+    def _set_up_run(self, model: Any, ref_model: Any) -> None:
+        """What ``__init__`` builds once HF's Trainer (and its Accelerator) exists: the sections that read the
+        Accelerator's settings, sequence-parallel groups, ZeRO-3 leaves, the reference, the guards, the objective at
+        run time and the metrics."""
+        args = self.args
         # HF's create_accelerator_and_postprocess may take gradient_accumulation_steps from accelerator_config
-        self.options = options = dataclasses.replace(options, schedule=ScheduleOptions.from_config(args))
+        self.options = options = dataclasses.replace(self.options, schedule=ScheduleOptions.from_config(args))
         apply_sequence_parallel(model, options.layers.sequence_parallel_size)  # after run_problems checked the world
         ds_plugin = self.accelerator.state.deepspeed_plugin if self.is_deepspeed_enabled else None
         zero3 = ds_plugin is not None and ds_plugin.zero_stage == 3
@@ -189,11 +193,6 @@ class PairDPOTrainer(Trainer):
         self.step_guard = NonFiniteStepGuard(args.max_nonfinite_grad_skips, loss_scaled=bool(args.fp16))
         self.add_callback(self.step_guard)  # a step DeepSpeed discarded still steps the LR schedule
         self.objective_runtime = ObjectiveRuntime(options.objective, options.loss, args.device)  # BCO, step contexts
-        needs_step = self.objective_runtime.needs_step_context
-        step_problem = step_context_problem(args.sequence_parallel_size, needs_step_context=needs_step,
-                                            loss_type=args.loss_type)  # fmt: skip
-        if step_problem is not None:
-            raise ConfigError(*step_problem)
         self.add_callback(StepBoundaryCallback(self.objective_runtime, self.reference_manager))
         components = self.objective_runtime.objective.names
         self._metrics = {"train": PairMetrics(components), "eval": PairMetrics(components)}
@@ -204,8 +203,10 @@ class PairDPOTrainer(Trainer):
         self._layout_announced = False  # the first step's layout line (rank 0)
         if args.fp8 == "tensorwise" and self.fsdp_plugin is not None:
             self.add_callback(Fp8ScaleCallback(self.model))  # float8 all-gather: the next step's scales at once
-        if args.torch_compile:
-            self._take_over_compile()
+        if args.torch_compile:  # the decoder layers compile in place (modeling.compile), never the whole model too
+            from accelerate.utils import DynamoBackend
+
+            self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
 
     def _reference_manager(self, model: Any, ref_model: Any, ds_plugin: Any) -> ReferenceManager:
         """The run's reference manager: builds the reference now unless DeepSpeed / precompute (then lazily)."""
@@ -336,15 +337,7 @@ class PairDPOTrainer(Trainer):
         self._prepare_layers(training=False)
         return super().evaluate(eval_dataset, *args, **kwargs)
 
-    # ------------------------------------------------------------------ torch.compile
-    def _take_over_compile(self) -> None:
-        """``torch_compile=True`` compiles the decoder layers in place (see ``modeling.compile``), not the whole
-        model: accelerate's whole-model compile is switched off here, so it is never applied as well (ZeRO-3 and the
-        SDPA kernel are refused by ``training.checks.compile_problems``)."""
-        from accelerate.utils import DynamoBackend
-
-        self.accelerator.state.dynamo_plugin.backend = DynamoBackend.NO
-
+    # ------------------------------------------------------------------ layers
     def _prepare_layers(self, *, training: bool) -> None:
         """Float8, activation checkpointing and compile of the policy's (and an in-process reference's) decoder
         layers, after the reference exists, so a reference copied from the policy is copied unconverted and
@@ -352,26 +345,17 @@ class PairDPOTrainer(Trainer):
         if self._layers_trained or (self.layer_plan is not None and not training):
             return
         reference = self.reference_manager.reference_if_built
-        probe = None
-        if training and self.args.activation_checkpointing_mode == "auto":
-            vocab = int(unwrap_model(self.model).get_input_embeddings().weight.shape[0])
-            collator = cast(PackedPairCollator, self.data_collator)
-            probe = budget_probe(
-                self.model,
-                self.reference.sequence_logps,
-                collator,
-                self.options.limits,
-                vocab_size=vocab,
-                device=self.args.device,
-                chunk_size=self.options.layers.logps_chunk_size,
-                autocast=self.accelerator.autocast,
-            )
-        self.layer_plan = prepare_layers(
+        self.layer_plan = prepare_run_layers(
             self.model,
             reference.model if reference is not None else None,
             self.options.layers,
-            probe=probe,
+            self.options.limits,
             training=training,
+            probe_inputs=ProbeInputs(
+                reference_logps=lambda batch: self.reference.sequence_logps(batch),  # built when the probe runs
+                collator=cast(PackedPairCollator, self.data_collator),
+                autocast=self.accelerator.autocast,
+            ),
             fsdp=self.fsdp_plugin is not None,
             budget=Budget(self.options.limits.max_tokens_per_microbatch, self.args.device, self.args.world_size),
         )

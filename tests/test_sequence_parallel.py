@@ -75,15 +75,28 @@ def test_heads_that_do_not_split_over_the_group_are_refused_naming_the_counts():
 
 
 def test_what_sequence_parallelism_cannot_combine_with_is_refused():
-    problems = sequence_parallel_problems(2, world_size=3, fsdp=True, checkpointing_mode="auto", process_group=True)
-    assert [code for code, _ in problems] == [
-        "sequence_parallel_world",
-        "sequence_parallel_unsupported",
-        "sequence_parallel_unsupported",
-    ]
+    problems = sequence_parallel_problems(
+        2, world_size=3, fsdp=True, checkpointing_mode="auto", process_group=True, step_objectives=["sft", "aot"]
+    )
+    assert [code for code, _ in problems] == ["sequence_parallel_world"] + ["sequence_parallel_unsupported"] * 3
     assert "multiple of 2 processes, got 3" in problems[0][1]
+    assert "loss_type ['sft', 'aot'] read quantities of the whole optimizer step" in problems[2][1]
     assert sequence_parallel_problems(2, world_size=4, fsdp=False, checkpointing_mode="off", process_group=True) == []
     assert sequence_parallel_problems(1, world_size=1, fsdp=True, checkpointing_mode="auto", process_group=False) == []
+
+
+def test_the_runtime_check_refuses_a_group_with_step_level_objectives_and_a_world_that_does_not_split(tmp_path):
+    """The trainer's one runtime check collects every sequence-parallel problem with the others, before any group
+    is created: a single process cannot form a group of 2, and ``sft`` / ``bco_pair_shift`` read step quantities."""
+    from tests.dpo_fixtures import runtime_error
+
+    args = cpu_config(tmp_path, sequence_parallel_size=2, loss_type=["sigmoid", "sft", "bco_pair_shift"])
+    error = runtime_error(args)
+    codes = [code for code, _ in error.problems]
+    assert codes == ["sequence_parallel_world", "sequence_parallel_unsupported"], error.problems
+    assert "['sft', 'bco_pair_shift']" in error.problems[1][1]
+    assert runtime_error(cpu_config(tmp_path, sequence_parallel_size=2), process_group=True) is not None  # world 1
+    assert runtime_error(cpu_config(tmp_path, loss_type=["sigmoid", "sft"])) is None  # no group: no refusal
 
 
 def test_bad_sizes_and_accelerates_parallelism_config_are_refused_when_the_config_is_built(tmp_path):

@@ -81,6 +81,25 @@ def scores_chosen_prompts(loss_type: Sequence[str]) -> bool:
     return any(OBJECTIVES[name].sequence_nll for name in loss_type if name in OBJECTIVES)
 
 
+STEP_QUANTITIES = ("sorts_step", "token_mean", "sequence_nll", "stateful")
+"""The :class:`ObjectiveSpec` flags of objectives that read quantities of the whole optimizer step (or of earlier
+steps), gathered over the ranks."""
+
+
+def step_level_objectives(loss_type: Sequence[str]) -> list[str]:
+    """The objectives of ``loss_type`` that read quantities of the whole step (:data:`STEP_QUANTITIES`).
+
+    Example:
+        >>> step_level_objectives(["sigmoid", "sft", "aot"])
+        ['sft', 'aot']
+    """
+    return [
+        name
+        for name in loss_type
+        if name in OBJECTIVES and any(getattr(OBJECTIVES[name], flag) for flag in STEP_QUANTITIES)
+    ]
+
+
 REFERENCE_FREE_LOSSES = frozenset(name for name, spec in OBJECTIVES.items() if not spec.reference)
 """Objectives that need no reference model."""
 

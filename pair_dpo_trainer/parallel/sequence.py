@@ -12,6 +12,7 @@ Details: parallel/README.md, "Module notes", ``sequence.py``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -51,13 +52,21 @@ def apply_sequence_parallel(model: torch.nn.Module, size: int) -> SequenceParall
 
 
 def sequence_parallel_problems(
-    size: int, *, world_size: int, fsdp: bool, checkpointing_mode: str, process_group: bool
+    size: int,
+    *,
+    world_size: int,
+    fsdp: bool,
+    checkpointing_mode: str,
+    process_group: bool,
+    step_objectives: Sequence[str] = (),
 ) -> list[Problem]:
     """What a run with ``sequence_parallel_size = size`` cannot do (nothing for ``size == 1``).
 
     ``sequence_parallel_world`` when the ranks do not split into groups of ``size``; ``sequence_parallel_unsupported``
-    under FSDP2 (DDP and DeepSpeed ZeRO run it) and with ``activation_checkpointing_mode='auto'`` (its measurement
-    runs one rank's forward alone).
+    under FSDP2 (DDP and DeepSpeed ZeRO run it), with ``activation_checkpointing_mode='auto'`` (its measurement
+    runs one rank's forward alone) and with ``step_objectives``, the objectives that read quantities of the whole
+    step (SFT / ORPO token means, BCO's running mean, AOT's sort: their collectives count every rank's pairs, and
+    the ranks of a group hold the same pairs).
     """
     if size <= 1:
         return []
@@ -79,6 +88,15 @@ def sequence_parallel_problems(
                 "(accelerate_configs/zero3_sequence_parallel.yaml) or set sequence_parallel_size=1.",
             )
         )
+    if step_objectives:
+        problems.append(
+            (
+                "sequence_parallel_unsupported",
+                f"loss_type {list(step_objectives)} read quantities of the whole optimizer step, gathered over every "
+                "rank, while the ranks of a sequence-parallel group hold the same pairs: use objectives without step "
+                "quantities (sigmoid, ipo, hinge, ...) or set sequence_parallel_size=1.",
+            )
+        )
     if checkpointing_mode == "auto":
         problems.append(
             (
@@ -88,17 +106,3 @@ def sequence_parallel_problems(
             )
         )
     return problems
-
-
-def step_context_problem(size: int, *, needs_step_context: bool, loss_type: Any) -> Problem | None:
-    """``sequence_parallel_unsupported`` for an objective that reads quantities of the whole step (SFT/ORPO token
-    means, BCO's running mean, AOT's sort): their collectives count every rank's pairs, and the ranks of a group
-    hold the same pairs."""
-    if size <= 1 or not needs_step_context:
-        return None
-    return (
-        "sequence_parallel_unsupported",
-        f"loss_type={loss_type!r} reads quantities of the whole optimizer step, gathered over every rank, while the "
-        "ranks of a sequence-parallel group hold the same pairs: use an objective without step quantities (sigmoid, "
-        "ipo, hinge, ...) or set sequence_parallel_size=1.",
-    )

@@ -21,6 +21,7 @@ from pair_dpo_trainer.config.sections import FsdpOptions, LayerOptions, Objectiv
 from pair_dpo_trainer.errors import Problem, raise_problems
 from pair_dpo_trainer.fault_tolerance.lock import output_dir_problem
 from pair_dpo_trainer.losses.checks import loss_problems
+from pair_dpo_trainer.losses.registry import step_level_objectives
 from pair_dpo_trainer.modeling.attention import attn_backend_problems
 from pair_dpo_trainer.modeling.compile import compile_mode_problem, compile_problems
 from pair_dpo_trainer.modeling.float8 import fp8_problems
@@ -98,6 +99,7 @@ def run_problems(args: PairDPOConfig, setup: RunSetup, options: RunOptions | Non
     reference = options.reference if options is not None else reference_options(args)
     layers = options.layers if options is not None else LayerOptions.from_config(args)
     fsdp = options.fsdp if options is not None else FsdpOptions.from_config(args)
+    objective = options.objective if options is not None else ObjectiveOptions.from_config(args)
     problems: list[Problem] = []
     if setup.fsdp_plugin is not None:
         problems.extend(fsdp2_problems(setup.fsdp_plugin, fsdp, process_group=setup.process_group))
@@ -127,6 +129,7 @@ def run_problems(args: PairDPOConfig, setup: RunSetup, options: RunOptions | Non
             fsdp=setup.fsdp_plugin is not None,
             checkpointing_mode=mode,
             process_group=setup.process_group,
+            step_objectives=step_level_objectives(objective.loss_type),
         )
     )
     problems.extend(tiled_mlp_problems(layers.tiled_mlp, sharded=sharded))

@@ -26,7 +26,7 @@ from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
 from pair_dpo_trainer.modeling.logprobs import packed_policy_logps
 from pair_dpo_trainer.modeling.tiled_mlp import apply_tiled_mlp
-from pair_dpo_trainer.modeling.wrappers import forward_replaced
+from pair_dpo_trainer.modeling.wrappers import forward_replaced, unwrap_model
 from pair_dpo_trainer.parallel.agreement import all_gather_cpu
 from pair_dpo_trainer.training.memory_fit import (
     CANDIDATES,
@@ -137,6 +137,50 @@ def _chosen(layers: LayerOptions, fit: MemoryFit | None) -> Strategy:
     """What the layers run: the auto mode's measured choice, else the config's settings."""
     kept = _kept(layers)
     return kept if fit is None else strategy(fit.mode, offload=kept.offload, tiled_mlp=kept.tiled_mlp)
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    """What the auto mode's probe row runs through besides the policy.
+
+    Attributes:
+        reference_logps: The reference's per-sequence log-probs of a batch (the reference is built on first use).
+        collator: The run's packing collator (its layout and pad rule).
+        autocast: The mixed-precision context of the prepared policy's forward (the Accelerator's ``autocast``).
+    """
+
+    reference_logps: Callable[[PackedPairBatch], torch.Tensor]
+    collator: PackedPairCollator
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+
+
+def prepare_run_layers(
+    policy: torch.nn.Module,
+    reference_model: torch.nn.Module | None,
+    layers: LayerOptions,
+    limits: BatchLimits,
+    *,
+    training: bool,
+    probe_inputs: ProbeInputs,
+    fsdp: bool,
+    budget: Budget,
+) -> LayerPlan:
+    """:func:`prepare_layers` for a run, with the probe row of the token budget built when the auto checkpointing
+    mode measures (``training`` and ``activation_checkpointing_mode='auto'``)."""
+    probe = None
+    if training and layers.activation_checkpointing_mode == "auto":
+        vocab = int(unwrap_model(policy).get_input_embeddings().weight.shape[0])
+        probe = budget_probe(
+            policy,
+            probe_inputs.reference_logps,
+            probe_inputs.collator,
+            limits,
+            vocab_size=vocab,
+            device=budget.device,
+            chunk_size=layers.logps_chunk_size,
+            autocast=probe_inputs.autocast,
+        )
+    return prepare_layers(policy, reference_model, layers, probe=probe, training=training, fsdp=fsdp, budget=budget)
 
 
 COMPILED_TRIES = 3

@@ -4,17 +4,21 @@ pairs' DataLoader (``PairDataLoader``)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, ReferenceOptions
+from pair_dpo_trainer.collators.packed import PackedPairCollator
+from pair_dpo_trainer.config.sections import BatchLimits, DataOptions, LayerOptions, ReferenceOptions, ScheduleOptions
 from pair_dpo_trainer.data.dataset import pair_dataset_and_rendering
 from pair_dpo_trainer.data.workers import resolve_num_proc
 from pair_dpo_trainer.errors import PreferenceRowError
 from pair_dpo_trainer.fault_tolerance.workers import StopSafeDataLoader
+from pair_dpo_trainer.losses.registry import scores_chosen_prompts
+from pair_dpo_trainer.modeling.float8 import fp8_pad_multiple
 from pair_dpo_trainer.modeling.paths import require_model_directory
 from pair_dpo_trainer.modeling.peft import wrap_with_peft
 from pair_dpo_trainer.parallel.node import Node
@@ -119,3 +123,25 @@ def tokenized_pairs(
             "raise either, or shorten the pair."
         )
         raise PreferenceRowError("pair_too_long", exc.message + note) from exc
+
+
+def pair_collator(
+    limits: BatchLimits,
+    layers: LayerOptions,
+    schedule: ScheduleOptions,
+    loss_type: Sequence[str],
+    *,
+    pad_token_id: int,
+    share_prompt: bool,
+) -> PackedPairCollator:
+    """The run's packing collator: the layout (``share_prompt``), the pad rule (the row's budget with
+    ``pad_to_budget``, else float8's multiple), ORPO's prompt positions and this rank's slice of each row under
+    sequence parallelism."""
+    return PackedPairCollator(
+        pad_token_id=pad_token_id,
+        pad_to_length=limits.row_token_budget if limits.pad_to_budget else None,
+        pad_to_multiple_of=None if limits.pad_to_budget else fp8_pad_multiple(layers.fp8),
+        score_chosen_prompts=scores_chosen_prompts(loss_type),  # ORPO's NLL covers the prompt
+        share_prompt=share_prompt,
+        sequence_shard=schedule.sequence_shard,
+    )
