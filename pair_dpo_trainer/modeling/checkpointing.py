@@ -5,6 +5,8 @@ The checkpoint wraps the layer's own ``forward`` (one class-level wrapper readin
 inside the regionally compiled layer (``modeling.compile``: compile after this), parameter names do not change, and
 FSDP2's module hooks stay outside it. It applies only in training with gradients enabled: reference forwards and
 evaluation run the layer as it is.
+
+Details: modeling/README.md, "Module notes", ``checkpointing.py``.
 """
 
 from __future__ import annotations

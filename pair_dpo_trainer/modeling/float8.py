@@ -5,6 +5,8 @@ multiplies ``head.weight`` itself), and only ``Linear`` layers whose both dimens
 ``torch._scaled_mm`` takes). The weight-gradient matmul of a ``Float8Linear`` has the token count as its inner
 dimension, so packed rows are padded to :data:`FP8_TOKEN_MULTIPLE` tokens (:func:`fp8_pad_multiple`). Conversion
 keeps every parameter object and name, so optimizers, checkpoints and the reference identity are unchanged.
+
+Details: modeling/README.md, "Module notes", ``float8.py``.
 """
 
 from __future__ import annotations

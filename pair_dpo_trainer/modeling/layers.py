@@ -1,4 +1,7 @@
-"""Finding a causal LM's repeated decoder layers (the unit of regional compilation and of ZeRO-3 leaf modules)."""
+"""Finding a causal LM's repeated decoder layers (the unit of regional compilation and of ZeRO-3 leaf modules).
+
+Details: modeling/README.md, "Module notes", ``layers.py``.
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Given a path that does not exist, ``from_pretrained`` answers with a Hub error (
 a failed download), and the reference checks would report the policy's path as a missing *reference*. The policy and
 the reference are local directories here (nothing is downloaded at run time): each path is checked first, and the
 error says which model it is, which option gave it, and what is wrong with it.
+
+Details: modeling/README.md, "Module notes", ``paths.py``.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ partitioned parameters must keep one dtype); with gradient checkpointing the inp
 gradients (``enable_input_require_grads``), so the checkpointed blocks of a frozen base model still pass gradients to
 the adapters. The reference of such a policy is the policy with its adapters disabled (``reference/peft.py``).
 ``peft`` is imported only when a ``peft_config`` is given.
+
+Details: modeling/README.md, "Module notes", ``peft.py``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Seeing through wrappers (the HF model inside a DDP / DeepSpeed wrapper, whether a module is an FSDP2 root) and
-wrapping one module's ``forward`` for the length of a block."""
+wrapping one module's ``forward`` for the length of a block.
+
+Details: modeling/README.md, "Module notes", ``wrappers.py``.
+"""
 
 from __future__ import annotations
 
