@@ -434,21 +434,3 @@ class PairDPOConfig(TrainingArguments):
         """Ranks that train on different pairs: ``world_size / sequence_parallel_size`` (the ranks of a
         sequence-parallel group hold the same pairs)."""
         return max(self.world_size // max(self.sequence_parallel_size, 1), 1)
-
-    @property
-    def sequence_shard(self) -> tuple[int, int] | None:
-        """``(rank in its sequence-parallel group, group size)`` under sequence parallelism, else None."""
-        size = self.sequence_parallel_size
-        return (self.process_index % size, size) if size > 1 else None
-
-    @property
-    def row_token_budget(self) -> int | None:
-        """The tokens of one packed row: ``max_tokens_per_microbatch`` per rank times the ranks that hold the row
-        (``sequence_parallel_size``), or None without a budget."""
-        budget = self.max_tokens_per_microbatch
-        return None if budget is None else budget * max(self.sequence_parallel_size, 1)
-
-    @property
-    def data_parallel_rank(self) -> int:
-        """This rank's index among :attr:`data_parallel_size` (its sequence-parallel group's index)."""
-        return self.process_index // max(self.sequence_parallel_size, 1)
