@@ -485,8 +485,8 @@ class PairDPOTrainer(Trainer):
                 break
         if not self._layout_announced and self.is_world_process_zero():
             self._layout_announced = True
-            stored = sum(batch.num_real_tokens for batch in batch_samples)  # host ints: no sync
-            unshared = sum(batch.num_unshared_tokens for batch in batch_samples)
+            stored = sum(batch.num_row_tokens for batch in batch_samples)  # host ints: no sync; whole rows
+            unshared = sum(batch.num_row_unshared_tokens for batch in batch_samples)
             print(first_step_layout(stored, unshared, share_prompt=self.share_prompt), flush=True)
         batch_samples = self.objective_runtime.attach_step_contexts(  # sft / bco_pair / aot need the step (collective)
             batch_samples, margins_fn=self._pair_logps_without_grad, pairs_per_rank=self.args.pairs_per_rank_per_step

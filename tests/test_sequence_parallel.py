@@ -52,6 +52,9 @@ def test_the_slices_of_a_row_cover_it_once_and_split_its_scored_tokens(share_pro
     assert sum(b.num_real_tokens for b in shards) == whole.num_real_tokens  # FLOPs and throughput count once
     assert sum(b.num_unshared_tokens for b in shards) == whole.num_unshared_tokens
     assert [b.counts_pairs for b in shards] == [True] + [False] * (size - 1)
+    for batch in shards:  # the first step's layout line reports the whole row on any rank
+        assert batch.num_row_tokens == whole.num_real_tokens
+        assert batch.num_row_unshared_tokens == whole.num_unshared_tokens
 
 
 def test_each_ranks_slice_keeps_the_rows_pad_multiple():

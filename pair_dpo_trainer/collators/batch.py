@@ -235,12 +235,23 @@ class PackedPairBatch(_TensorDataclass):
         return int(self.input_ids.shape[1])
 
     @property
+    def num_row_tokens(self) -> int:
+        """Tokens of the pairs' sequences in the whole row (``T`` without the pad segment), whichever ranks compute
+        them."""
+        return self.num_tokens - self.num_pad_tokens
+
+    @property
+    def num_row_unshared_tokens(self) -> int:
+        """:attr:`num_row_tokens` with every prompt counted twice, as TRL's layout computes them."""
+        return self.num_row_tokens + self.num_shared_prompt_tokens
+
+    @property
     def num_real_tokens(self) -> int:
         """Tokens of the pairs' sequences this rank computes (what metrics and FLOPs count): ``T`` without the pad
         segment, or the slice's share of them under sequence parallelism."""
         if self.sequence_shard is not None:
             return self.sequence_shard.real_tokens
-        return self.num_tokens - self.num_pad_tokens
+        return self.num_row_tokens
 
     def with_step_context(self, context: Any) -> PackedPairBatch:
         """A copy carrying ``context`` (see ``step_context``)."""

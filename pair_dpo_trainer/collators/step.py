@@ -52,6 +52,16 @@ class StepBatch:
         return sum(mb.num_real_tokens for mb in self.microbatches)
 
     @property
+    def num_row_tokens(self) -> int:
+        """Tokens of the pairs' sequences of all micro-batches' whole rows, whichever ranks compute them."""
+        return sum(mb.num_row_tokens for mb in self.microbatches)
+
+    @property
+    def num_row_unshared_tokens(self) -> int:
+        """:attr:`num_row_tokens` with every prompt counted twice (TRL's layout)."""
+        return sum(mb.num_row_unshared_tokens for mb in self.microbatches)
+
+    @property
     def num_unshared_tokens(self) -> int:
         """Tokens of the pairs' sequences with each prompt counted twice (TRL's layout), host-known."""
         return sum(mb.num_unshared_tokens for mb in self.microbatches)
