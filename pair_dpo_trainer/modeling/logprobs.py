@@ -5,7 +5,8 @@ Details: modeling/README.md, "Module notes", ``logprobs.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import functools
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -181,18 +182,19 @@ def _scored_token_logps(
     """The log-probs of the batch's completion positions (``[N]``, statistics ``[N, 4] | None``, their sequences)
     and, with ``prompts`` and a batch that lists them, of its ``prompt_positions`` (one pass over both)."""
     head = check_supported_head(model)
-    positions, targets, sequences = _local_scored(batch)
+    shard = batch.sequence_shard
+    index = None if shard is None else shard.completion_index
+    positions, targets, sequences = _in_shard(
+        batch, index, batch.completion_positions, batch.scored_targets(), batch.scored_sequences()
+    )
     scored = int(positions.shape[0])  # host-known shape: no sync
     extra = batch.prompt_positions if prompts else None
     if extra is not None:
-        prompt_targets = cast(torch.Tensor, batch.prompt_targets)
+        index = None if shard is None else shard.prompt_index
         prompt_sequences = batch.sequence_index.reshape(-1).index_select(0, extra)
-        shard = batch.sequence_shard
-        if shard is not None and shard.prompt_index is not None:
-            extra, prompt_targets, prompt_sequences = (
-                x.index_select(0, shard.prompt_index) for x in (extra, prompt_targets, prompt_sequences)
-            )
-            extra = extra - shard.start
+        extra, prompt_targets, prompt_sequences = _in_shard(
+            batch, index, extra, cast(torch.Tensor, batch.prompt_targets), prompt_sequences
+        )
         positions = torch.cat([positions, extra])
         targets = torch.cat([targets, prompt_targets])
         sequences = torch.cat([sequences, prompt_sequences])
@@ -219,20 +221,19 @@ def _scored_token_logps(
     )
 
 
-def _local_scored(batch: PackedPairBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(positions, targets, sequences)`` of the scored completion tokens this rank computes: all of them, or under
-    sequence parallelism those in its slice, positions relative to the slice."""
-    positions, targets, sequences = batch.completion_positions, batch.scored_targets(), batch.scored_sequences()
+def _in_shard(
+    batch: PackedPairBatch, index: torch.Tensor | None, positions: torch.Tensor, *columns: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """Scored ``positions`` of the row and their aligned ``columns`` (targets, sequences): all of them, or under
+    sequence parallelism the entries ``index`` of this rank's slice, positions relative to the slice."""
     shard = batch.sequence_shard
-    if shard is None:
-        return positions, targets, sequences
-    index = shard.completion_index
-    targets, sequences = targets.index_select(0, index), sequences.index_select(0, index)
-    return positions.index_select(0, index) - shard.start, targets, sequences
+    if shard is None or index is None:
+        return (positions, *columns)
+    return (positions.index_select(0, index) - shard.start, *(c.index_select(0, index) for c in columns))
 
 
 def _local_token_weights(batch: PackedPairBatch) -> torch.Tensor | None:
-    """``batch.token_weights`` of the scored tokens this rank computes (see :func:`_local_scored`)."""
+    """``batch.token_weights`` of the scored tokens this rank computes (see :func:`_in_shard`)."""
     weights, shard = batch.token_weights, batch.sequence_shard
     if weights is None or shard is None:
         return weights
@@ -286,17 +287,12 @@ def packed_policy_logps(
     (computed inside the chunked head: no ``[T, V]`` tensor, no host sync); with the chosen prompts' log-probs when
     the batch lists them (``prompt_positions``). Shapes and errors as :func:`packed_sequence_logps`."""
     scored = _scored_token_logps(model, batch, chunk_size, with_stats=with_stats, prompts=True)
-    parallel = model_sequence_parallel(model)
-    logps = sequence_logps_from_tokens(scored.token_logps, scored.stats, scored.sequences, batch, parallel=parallel)
-    if scored.prompt_logps is None or scored.prompt_sequences is None:
-        return logps
-    n = batch.num_sequences
-    ones = torch.ones_like(scored.prompt_logps)
-    return replace(
-        logps,
-        prompt_logps=sum_over_group(_sequence_sums(scored.prompt_logps, scored.prompt_sequences, n), parallel),
-        prompt_token_counts=sum_over_group(_sequence_sums(ones, scored.prompt_sequences, n), parallel),
-    )
+    sums = _local_sums(scored.token_logps, scored.stats, scored.sequences, batch)
+    if scored.prompt_logps is not None and scored.prompt_sequences is not None:
+        n = batch.num_sequences
+        sums["prompt_logps"] = _sequence_sums(scored.prompt_logps, scored.prompt_sequences, n)
+        sums["prompt_token_counts"] = _sequence_sums(torch.ones_like(scored.prompt_logps), scored.prompt_sequences, n)
+    return _sequence_logps(_summed_over_group(sums, model_sequence_parallel(model)))
 
 
 def sequence_logps_from_tokens(
@@ -310,18 +306,48 @@ def sequence_logps_from_tokens(
     """Per-sequence sums of the scored tokens' log-probs (plain, and LD-weighted by ``batch.token_weights``) and of
     their :data:`TOKEN_STATS` (``[N]``, ``[N, 4] | None``, ``sequences [N]`` in ``completion_positions`` order, or
     this rank's share of them under sequence parallelism: the sums are then taken over ``parallel``'s group)."""
+    return _sequence_logps(_summed_over_group(_local_sums(token_logps, stats, sequences, batch), parallel))
+
+
+def _local_sums(
+    token_logps: torch.Tensor, stats: torch.Tensor | None, sequences: torch.Tensor, batch: PackedPairBatch
+) -> dict[str, torch.Tensor]:
+    """This rank's per-sequence sums, by :class:`SequenceLogps` field: ``nll_logps`` (plain), ``logps`` (LD-weighted,
+    only with token weights) and ``token_stats`` (with statistics)."""
     n = batch.num_sequences
-    plain = sum_over_group(_sequence_sums(token_logps, sequences, n), parallel)
+    sums = {"nll_logps": _sequence_sums(token_logps, sequences, n)}
     weights = _local_token_weights(batch)
-    if weights is None:
-        logps = plain
-    else:
-        logps = sum_over_group(_sequence_sums(token_logps * weights.to(token_logps.dtype), sequences, n), parallel)
+    if weights is not None:
+        sums["logps"] = _sequence_sums(token_logps * weights.to(token_logps.dtype), sequences, n)
     if stats is not None:
         stats = stats.clone()
         stats[:, 3] = token_logps.detach() - stats[:, 3]  # WPO: log p_t - log sum_v p_v^2
-        stats = sum_over_group(_sequence_sums(stats, sequences, n), parallel)
-    return SequenceLogps(logps=logps, nll_logps=plain, token_stats=stats)
+        sums["token_stats"] = _sequence_sums(stats, sequences, n)
+    return sums
+
+
+def _summed_over_group(sums: dict[str, torch.Tensor], parallel: SequenceParallel | None) -> dict[str, torch.Tensor]:
+    """``sums`` added over a sequence-parallel group in ONE all-reduce (a pass's sums travel together), unchanged
+    without a group."""
+    if parallel is None:
+        return sums
+    values = list(sums.values())
+    dtype = functools.reduce(torch.promote_types, (value.dtype for value in values))  # lossless both ways
+    flat = sum_over_group(torch.cat([value.reshape(-1).to(dtype) for value in values]), parallel)
+    pieces = flat.split([value.numel() for value in values])
+    return {name: piece.view_as(value).to(value.dtype) for name, value, piece in zip(sums, values, pieces, strict=True)}
+
+
+def _sequence_logps(sums: dict[str, torch.Tensor]) -> SequenceLogps:
+    """The :class:`SequenceLogps` of a pass's sums (``logps`` is the plain sum itself without token weights)."""
+    plain = sums["nll_logps"]
+    return SequenceLogps(
+        logps=sums.get("logps", plain),
+        nll_logps=plain,
+        token_stats=sums.get("token_stats"),
+        prompt_logps=sums.get("prompt_logps"),
+        prompt_token_counts=sums.get("prompt_token_counts"),
+    )
 
 
 def padded_sequence_logps(model: torch.nn.Module, batch: PaddedPairBatch) -> torch.Tensor:
