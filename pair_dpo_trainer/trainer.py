@@ -569,7 +569,7 @@ class PairDPOTrainer(Trainer):
                 token_stats=policy.token_stats,
                 counts_pairs=inputs.counts_pairs,  # a sequence-parallel group's pairs count once
             )
-            data_parallel = self.args.data_parallel_size  # a sequence-parallel group's ranks share its pairs' loss
+            data_parallel = self.options.schedule.world_size  # a sequence-parallel group's ranks share its loss
             loss = step_normalized_loss(losses, world_size=data_parallel, global_pairs=num_items_in_batch)
         return (loss, {"losses": losses}) if return_outputs else loss
 

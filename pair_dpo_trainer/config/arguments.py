@@ -428,9 +428,3 @@ class PairDPOConfig(TrainingArguments):
     def pairs_per_rank_per_step(self) -> int:
         """Pairs each data-parallel rank processes per optimizer step."""
         return self.per_device_train_batch_size * self.gradient_accumulation_steps
-
-    @property
-    def data_parallel_size(self) -> int:
-        """Ranks that train on different pairs: ``world_size / sequence_parallel_size`` (the ranks of a
-        sequence-parallel group hold the same pairs)."""
-        return max(self.world_size // max(self.sequence_parallel_size, 1), 1)

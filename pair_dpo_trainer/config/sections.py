@@ -196,8 +196,7 @@ class BatchLimits:
     def row_token_budget(self) -> int | None:
         """The tokens of one packed row (what a pair is admitted by and a padded row is padded to): the per-rank
         budget times the ranks that hold the row, or None without a budget."""
-        budget = self.max_tokens_per_microbatch
-        return None if budget is None else budget * self.sequence_parallel_size
+        return _row_budget(self.max_tokens_per_microbatch, self.sequence_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -229,7 +228,6 @@ class ScheduleOptions:
     def from_config(cls, config: Any) -> ScheduleOptions:
         """The section of a ``TrainingArguments`` / ``PairDPOConfig`` (its process placement read now)."""
         size = int(getattr(config, "sequence_parallel_size", 1))
-        budget = getattr(config, "max_tokens_per_microbatch", None)
         return cls(
             world_size=max(int(config.world_size) // size, 1),
             rank=int(config.process_index) // size,
@@ -237,9 +235,14 @@ class ScheduleOptions:
             microbatches=int(config.gradient_accumulation_steps),
             seed=int(config.data_seed if config.data_seed is not None else config.seed),
             eval_pairs_per_microbatch=int(config.per_device_eval_batch_size),
-            max_tokens_per_microbatch=None if budget is None else budget * size,
+            max_tokens_per_microbatch=_row_budget(getattr(config, "max_tokens_per_microbatch", None), size),
             sequence_shard=(int(config.process_index) % size, size) if size > 1 else None,
         )
+
+
+def _row_budget(budget: int | None, size: int) -> int | None:
+    """A packed row's tokens: ``size`` ranks' per-rank budgets (None without a budget)."""
+    return None if budget is None else budget * size
 
 
 @dataclass(frozen=True)

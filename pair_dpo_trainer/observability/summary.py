@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pair_dpo_trainer.config import PairDPOConfig
+from pair_dpo_trainer.config.sections import ScheduleOptions
 from pair_dpo_trainer.data.cache import written_by
 from pair_dpo_trainer.losses.registry import uses_reference
 
@@ -120,12 +121,12 @@ def _microbatches(args: PairDPOConfig) -> str:
     return f"micro-batches of <= {budget} tokens{padded}"
 
 
-def _world(args: PairDPOConfig) -> str:
+def _world(args: PairDPOConfig, data_parallel: int) -> str:
     """``world_size=W``, and the sequence-parallel groups when there are any."""
     size = getattr(args, "sequence_parallel_size", 1)
     if size <= 1:
         return f"world_size={args.world_size}"
-    return f"world_size={args.world_size} = {args.data_parallel_size} data-parallel x {size} sequence-parallel"
+    return f"world_size={args.world_size} = {data_parallel} data-parallel x {size} sequence-parallel"
 
 
 def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: Any) -> str:
@@ -152,8 +153,9 @@ def run_summary(args: PairDPOConfig, facts: RunFacts | None = None, **details: A
     data = "".join(f" | {name}: {rendering}" for name, rendering in facts.renderings.items())
     reference = reference_mode(args, facts.source, peft_reference=facts.peft_reference)
     unit = "group" if args.sequence_parallel_size > 1 else "rank"
+    data_parallel = ScheduleOptions.from_config(args).world_size  # the groups of a sequence-parallel run
     return (
-        f"pair_dpo: {_world(args)} | {per_rank * args.data_parallel_size} pairs/step ({per_rank} per {unit} in "
+        f"pair_dpo: {_world(args, data_parallel)} | {per_rank * data_parallel} pairs/step ({per_rank} per {unit} in "
         f"{_microbatches(args)}){layout_summary(facts)} | attention {facts.attn_backend} | "
         f"{_reference_words(reference)} | loss "
         f"{objective_summary(args)}, beta={args.beta}, label_smoothing={args.label_smoothing}{precision}{data}{leaves}"
