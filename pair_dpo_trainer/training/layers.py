@@ -20,7 +20,6 @@ from pair_dpo_trainer.collators.batch import PackedPairBatch
 from pair_dpo_trainer.collators.packed import PackedPairCollator
 from pair_dpo_trainer.config.sections import BatchLimits, LayerOptions
 from pair_dpo_trainer.errors import Problem
-from pair_dpo_trainer.modeling.checkpointing import apply_activation_checkpointing, offload_activations
 from pair_dpo_trainer.modeling.chunked_head import compile_head_kernels
 from pair_dpo_trainer.modeling.compile import compile_decoder_layers
 from pair_dpo_trainer.modeling.float8 import convert_to_fp8, count_fp8_layers, precompute_fp8_scales
@@ -107,13 +106,12 @@ def prepare_layers(
     auto = training and layers.activation_checkpointing_mode == "auto"
     fit = _measure(policy, probe, layers, budget, reference_model) if auto else None
     chosen = _chosen(layers, fit)
-    if training and chosen.mode != "auto":
-        apply_activation_checkpointing(policy, chosen.mode)
-    if training and chosen.offload:
-        offload_activations(policy)
-    for model in (policy, reference_model):
-        if model is not None:
-            apply_tiled_mlp(model, chosen.tiled_mlp)
+    if training:  # checkpointing, offload and tiles (the reference's tiles too)
+        apply_strategy(policy, chosen, reference_model)
+    else:  # an evaluate() before train(): no checkpointing decision yet, the tiles already
+        for model in (policy, reference_model):
+            if model is not None:
+                apply_tiled_mlp(model, chosen.tiled_mlp)
     if layers.torch_compile:
         backend, compile_mode = layers.compile_backend, layers.torch_compile_mode
         if layers.fp8 is not None:  # the float8 casts round as in eager, in the policy's training graph and the
