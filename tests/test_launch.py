@@ -25,6 +25,7 @@ import yaml
 from pair_dpo_trainer.config import launch
 from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
 from tests.ports import free_port
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "accelerate_configs"
@@ -309,6 +310,9 @@ def test_a_gpu_config_on_a_machine_without_gpus_is_refused_by_every_process(tmp_
     config = CONFIGS / "multi_gpu_ddp.yaml"
     prefix = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
     prefix += ["--num_processes", "2", "--main_process_port", str(free_port())]
+    # torchrun stops the other processes once it sees one exit; polling every few seconds (not every 0.1 s) lets each
+    # process reach its own refusal first, whatever its import time, so the check below sees both
+    prefix += ["--monitor_interval", str(round(scaled(5.0), 1))]
     env = {k: v for k, v in _launch_env().items() if k != "CUDA_VISIBLE_DEVICES"}
     command = [*prefix, str(ROOT / "train.py"), *_train_args(tmp_path / "out", pairs_file)]
     done = subprocess.run(command, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
