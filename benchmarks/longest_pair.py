@@ -6,9 +6,11 @@ length sharing the rest (each ending with EOS; ids drawn with the seed). ``T = P
 shared-prompt row holds; TRL computes ``2P + C + R`` (two rows of ``P + C``), reported beside it. One try = one
 optimizer step on that single pair in a FRESH subprocess (a CUDA out-of-memory error can leave a process unusable):
 it succeeds, or fails with out-of-memory (``oom``), a timeout or a killed process (host memory: ``killed``); any other
-error stops the search (a bug must not pass for a limit). The search doubles ``T`` from ``--start`` until a try fails
-(halving instead when the first one fails), then bisects until the largest success and the smallest failure are
-within ``--resolution`` (5%) of each other; ``--time-limit`` stops it early with the bracket it has.
+error stops the search (a bug must not pass for a limit). A try's ``train_s`` is the Trainer's ``train_runtime`` of
+that one step (model building excluded; the first step of a process, so warm-up included). The search doubles ``T``
+from ``--start`` until a try fails (halving instead when the first one fails), then bisects until the largest success
+and the smallest failure are within ``--resolution`` (5%) of each other; ``--time-limit`` stops it early
+with the bracket it has.
 
 Ours (``--side ours``): ``--strategy`` names the memory settings of ``PairDPOConfig``: a checkpointing mode (``off``,
 ``selective``, ``layers:K``, ``full``) with ``+offload`` (``activation_offload``) and ``+tiled`` (``tiled_mlp='auto'``),
@@ -268,7 +270,7 @@ def train_ours(args: argparse.Namespace, lengths: tuple[int, int, int], row: dic
         processing_class=make_tokenizer(),
         ref_model=copy.deepcopy(model),
     )
-    trainer.train()
+    row["train_s"] = round(trainer.train().metrics["train_runtime"], 2)
     plan = trainer.layer_plan
     row["layers"] = None if plan is None else plan.describe().strip(" |")
 
@@ -306,7 +308,7 @@ def train_trl(args: argparse.Namespace, lengths: tuple[int, int, int], row: dict
         train_dataset=Dataset.from_dict(columns),
         processing_class=make_tokenizer(),
     )
-    trainer.train()
+    row["train_s"] = round(trainer.train().metrics["train_runtime"], 2)
     row["trl_rows_shape"] = list(trainer.tok_log[-1][2]) if trainer.tok_log else None
 
 
