@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tests.forkserver import ForkedProcess, ForkServer
 from tests.ports import free_port
 from tests.timing import scaled
 
@@ -56,8 +57,9 @@ def launch(
     extra_env: dict[str, str] | None = None,
     *,
     session: bool = False,
-) -> list[subprocess.Popen]:
-    """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes.
+) -> list[Any]:
+    """Starts the worker once per rank (``RANK``/``WORLD_SIZE`` env as a launcher sets them); returns the processes
+    (``subprocess.Popen`` or, forked by this pytest worker's fork server, ``ForkedProcess``: the same methods).
 
     ``session``: each in a session (and process group) of its own, as a shell job or a batch step, so that a test can
     signal the whole group (``os.killpg``) without signalling itself.
@@ -65,20 +67,66 @@ def launch(
     config = json.dumps({"runs": runs})
     port = free_port()
     gpu = any(run.get("gpu") for run in runs)
-    procs = []
+    procs: list[Any] = []
     for rank in range(world_size):
-        log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process is reaped
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, str(WORKER), config],
-                env={**worker_env(rank, world_size, port, gpu=gpu), **(extra_env or {})},
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=session,
+        env = {**worker_env(rank, world_size, port, gpu=gpu), **(extra_env or {})}
+        if gpu or extra_env:  # what the fork server's imports may not reproduce: a process of its own
+            log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process is reaped
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), config],
+                    env=env,
+                    cwd=ROOT,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=session,
+                )
             )
-        )
+            continue
+        procs.append(fork(WORKER, [config], env, log_dir / f"rank{rank}.log", session=session))
     return procs
+
+
+_server: ForkServer | None = None
+
+
+def fork(
+    script: Path, argv: list[str], env: dict[str, str], log: Path, *, session: bool = False, err: Path | None = None
+) -> ForkedProcess:
+    """``python SCRIPT ARGV...`` with ``env`` (CPU only: ``worker_env`` and rank variables), its output in ``log``
+    (stderr in ``err`` if given), forked by this pytest worker's fork server (tests/forkserver.py), which starts on
+    first use."""
+    global _server
+    if _server is None or not _server.alive():
+        _server = ForkServer(worker_env(), str(ROOT))
+    request = {"op": "spawn", "script": str(script), "argv": argv, "env": env, "cwd": str(ROOT), "session": session}
+    request |= {"log": str(log), "err": str(err) if err else None}
+    return ForkedProcess(_server, _server.ask(request)["pid"])
+
+
+# What libraries read once, at import: a process that needs other values than the fork server's is started afresh.
+_IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTORCH", "CUDA", "DS_", "OMP_", "MKL_")
+_IMPORT_TIME += ("TOKENIZERS", "PYTHON", "HOME", "XDG_", "ACCELERATE", "PATH")
+
+
+def run_script(
+    script: Path, argv: list[str], env: dict[str, str], log_dir: Path, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGV...`` to its end, shaped as ``subprocess.run(..., capture_output=True, text=True)``:
+    forked by the fork server when ``env`` agrees with its environment on every variable read at import time
+    (``_IMPORT_TIME``), a fresh process otherwise; killed after ``timeout`` seconds (scaled)."""
+    command = [sys.executable, str(script), *argv]
+    base = worker_env()
+    if any(base.get(k) != env.get(k) for k in {*base, *env} if k.startswith(_IMPORT_TIME)):
+        return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout))
+    out, err = log_dir / "stdout.log", log_dir / "stderr.log"
+    proc = fork(script, argv, env, out, err=err)
+    try:
+        (code,) = wait([proc], timeout)
+    finally:
+        kill_all([proc])
+    assert code is not None, f"{script.name} still running after {timeout} s\n" + err.read_text()[-4000:]
+    return subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
 
 
 def launch_torchrun(runs: list[dict[str, Any]], log_dir: Path, nproc: int) -> subprocess.Popen:
@@ -92,7 +140,7 @@ def launch_torchrun(runs: list[dict[str, Any]], log_dir: Path, nproc: int) -> su
     )
 
 
-def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
+def wait(procs: list[Any], timeout: float) -> list[int | None]:
     """Exit codes after at most ``timeout`` seconds, stretched by the machine's load (None: still running)."""
     deadline = time.monotonic() + scaled(timeout)
     for proc in procs:
@@ -103,7 +151,7 @@ def wait(procs: list[subprocess.Popen], timeout: float) -> list[int | None]:
     return [proc.poll() for proc in procs]
 
 
-def kill_all(procs: list[subprocess.Popen]) -> None:
+def kill_all(procs: list[Any]) -> None:
     """SIGKILLs the given processes (by their pids) that still run, stopped ones included."""
     for proc in procs:
         if proc.poll() is None:
@@ -134,9 +182,7 @@ def final_state(spec: dict[str, Any], rank: int = 0) -> dict[str, Any]:
     return torch.load(f"{spec['result']}.rank{rank}.pt", weights_only=False)
 
 
-def wait_for_progress(
-    spec: dict[str, Any], rank: int, step: int, procs: list[subprocess.Popen], timeout: float
-) -> None:
+def wait_for_progress(spec: dict[str, Any], rank: int, step: int, procs: list[Any], timeout: float) -> None:
     """Blocks until ``rank`` reported ``step`` in its progress file (fails if the workers exit first)."""
     deadline = time.monotonic() + scaled(timeout)
     path = Path(spec["progress"])
@@ -156,7 +202,7 @@ def assert_same_parameters(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor
 
 
 def signal_rank_after(
-    spec: dict[str, Any], procs: list[subprocess.Popen], rank: int, step: int, sig: int, timeout: float
+    spec: dict[str, Any], procs: list[Any], rank: int, step: int, sig: int, timeout: float
 ) -> list[int | None]:
     """Sends ``sig`` to ``rank`` once it reported ``step``, then returns every rank's exit code (all killed after)."""
     try:

@@ -1,4 +1,6 @@
-"""One ``accelerate launch`` of a 2-process test worker on the CPU, shared by the distributed test modules."""
+"""Multi-process test workers on the CPU, shared by the distributed test modules: through a real launcher
+(``accelerate launch``, ``torchrun``) where the launch is part of what a test checks, or as ranks forked by the fork
+server (``ranks``) where only the ranks' results are."""
 
 from __future__ import annotations
 
@@ -7,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.faults import fork, kill_all, wait, worker_env
+from tests.ports import free_port
 from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,3 +59,20 @@ def _launch(
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     return proc
+
+
+def ranks(worker: str, out: Path, *, nproc: int = 2, args: tuple[str, ...] = (), timeout: int = 600) -> str:
+    """Runs ``tests/<worker> out args...`` as ``nproc`` ranks with the variables a launcher sets (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...), each forked by the fork server (no launcher, no imports
+    paid per rank); asserts that every rank exits 0, showing the logs if not, and returns the logs (rank order)."""
+    port = free_port()
+    logs = [out / f"rank{rank}.log" for rank in range(nproc)]
+    argv = [str(out), *args]
+    procs = [fork(ROOT / "tests" / worker, argv, worker_env(rank, nproc, port), logs[rank]) for rank in range(nproc)]
+    try:
+        codes = wait(procs, timeout)
+    finally:
+        kill_all(procs)
+    text = "\n".join(f"--- rank {rank}\n{log.read_text()}" for rank, log in enumerate(logs))
+    assert codes == [0] * nproc, f"exit codes {codes}\n{text[-12000:]}"
+    return text

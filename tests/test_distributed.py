@@ -1,4 +1,5 @@
-"""DP x GA invariance and rank disagreement with 2 real processes (torchrun, gloo on CPU), not mocked.
+"""DP x GA invariance and rank disagreement with 2 real processes (ranks forked by the fork server, gloo on CPU), not
+mocked.
 
 One launch runs every 2-process phase (see tests/dist_worker.py); the DP=1 reference runs in this process.
 """
@@ -6,16 +7,13 @@ One launch runs every 2-process phase (see tests/dist_worker.py); the DP=1 refer
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.dist_worker import NUM_PAIRS, OBJECTIVE_RUNS, run_layout, run_objectives
-from tests.ports import free_port
+from tests.launch import ranks
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]  # every test reads the module's one 2-process launch (40-60 s)
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,20 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def two_rank_results(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        str(ROOT / "tests" / "dist_worker.py"),
-        str(out_dir),
-    ]
-    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ranks("dist_worker.py", out_dir)
     return out_dir
 
 

@@ -19,7 +19,7 @@ import pytest
 from pair_dpo_trainer.demo import bundled_model_dir, bundled_pairs_path
 from pair_dpo_trainer.fault_tolerance.checkpoint import MANIFEST_FILENAME, list_checkpoints
 from pair_dpo_trainer.fault_tolerance.resume import check_resumed_settings
-from tests.faults import worker_env
+from tests.faults import run_script, worker_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _flags(out: Path, pairs: Path, max_steps: int, *extra: str) -> list[str]:
 def _train(out: Path, pairs: Path, max_steps: int, *extra: str) -> subprocess.CompletedProcess:
     flags = _flags(out, pairs, max_steps, *extra)
     env = {**worker_env(), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.run([sys.executable, str(ROOT / "train.py"), *flags], env=env, capture_output=True, text=True)
+    return run_script(ROOT / "train.py", flags, env, out.parent)
 
 
 def _train_in_process(capsys, monkeypatch, *flags: str) -> subprocess.CompletedProcess:

@@ -1,9 +1,9 @@
 """Sequence parallelism (``sequence_parallel_size``): Ulysses over packed pair rows, checked against one process.
 
-The launches run real processes (torchrun, gloo on CPU; tests/sp_worker.py): one of 2 ranks (one group of 2) for the
-model-level float64 comparison, the 3-step training run and its resume; one of 4 ranks (2 groups of 2) for the
-training run against DP=1. The DP=1 runs are in this process. The host-side pieces (the row's slices, the checks)
-are tested in-process.
+The launches run real processes (ranks forked by the fork server, gloo on CPU; tests/sp_worker.py): one of 2 ranks
+(one group of 2) for the model-level float64 comparison, the 3-step training run and its resume; one of 4 ranks
+(2 groups of 2) for the training run against DP=1. The DP=1 runs are in this process. The host-side pieces (the
+row's slices, the checks) are tested in-process.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from pair_dpo_trainer.errors import ConfigError, PreferenceRowError
 from pair_dpo_trainer.modeling.sequence_parallel import head_problems
 from pair_dpo_trainer.parallel.sequence import sequence_parallel_problems
 from tests.dpo_fixtures import cpu_config, synthetic_pairs
-from tests.launch import torchrun
+from tests.launch import ranks
 from tests.models import tiny_llama, tiny_tokenizer
-from tests.ports import free_port
 from tests.sp_worker import BUDGET, EVAL_PAIRS, STEPS, long_pairs, one_process, train_options
 
 # ---------------------------------------------------------------- host side (no process group)
@@ -134,10 +133,8 @@ def test_a_pair_longer_than_one_ranks_budget_is_refused_without_a_group(tmp_path
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2")
-    proc = torchrun(
-        "sp_worker.py", out, port=free_port(), args=("2", "model,compiled,train,resume,precompute,too_long,resize")
-    )
-    return out, proc.stdout
+    output = ranks("sp_worker.py", out, args=("2", "model,compiled,train,resume,precompute,too_long,resize"))
+    return out, output
 
 
 @pytest.fixture(scope="module")
@@ -257,7 +254,7 @@ def test_a_group_checkpoint_resumed_by_one_process_with_the_same_schedule_equals
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sp2dp2")
-    torchrun("sp_worker.py", out, port=free_port(), nproc=4, args=("2", "train"))
+    ranks("sp_worker.py", out, nproc=4, args=("2", "train"))
     return torch.load(out / "train.pt")
 
 
