@@ -1,4 +1,4 @@
-"""Worker for tests/test_distributed.py, launched with 2 real processes (torchrun, gloo on CPU).
+"""Worker for tests/test_distributed.py, launched with 2 real processes (forked ranks or torchrun, gloo on CPU).
 
 Phases (each writes its result under OUT_DIR for the test process to compare):
   Every phase packs each prompt once (``share_prompt``, the default) except dp2_budget, whose budget is sized for

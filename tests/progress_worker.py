@@ -1,5 +1,6 @@
-"""Worker for tests/test_progress.py: 2 real processes (torchrun, gloo on CPU) tokenise raw rows and evaluate with
-progress bars enabled; each rank writes its own stderr to OUT_DIR/stderr.<rank> (bars must show on rank 0 only)."""
+"""Worker for tests/test_progress.py: 2 real processes (ranks with a launcher's environment, gloo on CPU) tokenise raw
+rows and evaluate with progress bars enabled; each rank writes its own stderr to OUT_DIR/stderr.<rank> (bars must show
+on rank 0 only)."""
 
 from __future__ import annotations
 

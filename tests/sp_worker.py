@@ -1,6 +1,7 @@
-"""Worker for tests/test_sequence_parallel.py: real processes (torchrun, gloo on CPU), sequence parallelism.
+"""Worker for tests/test_sequence_parallel.py: sequence parallelism in real processes (gloo on CPU).
 
-Usage: ``torchrun --nproc_per_node W tests/sp_worker.py OUT_DIR SIZE PHASES`` (PHASES comma-separated).
+Usage: ``torchrun --nproc_per_node W tests/sp_worker.py OUT_DIR SIZE PHASES`` (PHASES comma-separated), or W
+ranks forked with a launcher's environment (``tests/launch.py: ranks``).
 
 Phases (rank 0 writes each result under OUT_DIR; the test compares them with one process):
   model: float64 per-sequence log-probs and every parameter gradient of a group of SIZE ranks against the same model

@@ -14,9 +14,8 @@ from pair_dpo_trainer.cli import main as cli_main
 from pair_dpo_trainer.demo import bundled_model_dir
 from pair_dpo_trainer.demo.pairs import generate_demo_pairs
 from tests.dpo_fixtures import cpu_config, synthetic_pairs
-from tests.launch import torchrun
+from tests.launch import ranks
 from tests.models import tiny_llama, tiny_tokenizer
-from tests.ports import free_port
 
 
 def _bar(text: str, desc: str, total: int) -> bool:
@@ -78,7 +77,7 @@ def test_prepare_data_shows_a_bar_per_input(tmp_path, capsys, flag):
 @pytest.mark.slow
 @pytest.mark.distributed
 def test_bars_show_on_rank_0_only(tmp_path):
-    torchrun("progress_worker.py", tmp_path, port=free_port(), timeout=300)
+    ranks("progress_worker.py", tmp_path, timeout=300)
     rank0, rank1 = ((tmp_path / f"stderr.{r}").read_text() for r in (0, 1))
     assert _bar(rank0, "train dataset: ", 16) and _bar(rank0, "eval dataset: ", 16)
     assert _bar(rank0, "", 2)  # evaluate(): 16 pairs over 2 ranks, 4 per micro-batch: 2 micro-batches per rank
