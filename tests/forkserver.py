@@ -24,6 +24,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from typing import Any
@@ -125,13 +126,14 @@ class ForkServer:
     """The client: one server process, started on first use with ``env``, asked for children and their exit codes."""
 
     def __init__(self, env: dict[str, str], cwd: str) -> None:
+        self._errors = tempfile.TemporaryFile()  # noqa: SIM115 - the server's stderr, shown if it dies
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.forkserver"],
             env=env,
             cwd=cwd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=self._errors,
         )
         atexit.register(self.close)
 
@@ -141,7 +143,10 @@ class ForkServer:
         self._proc.stdin.flush()
         line = self._proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"the fork server exited with {self._proc.wait()}")
+            self._errors.seek(0)
+            raise RuntimeError(
+                f"the fork server exited with {self._proc.wait()}:\n{self._errors.read().decode()[-4000:]}"
+            )
         return json.loads(line)
 
     def alive(self) -> bool:
