@@ -70,7 +70,7 @@ def launch(
     procs: list[Any] = []
     for rank in range(world_size):
         env = {**worker_env(rank, world_size, port, gpu=gpu), **(extra_env or {})}
-        if gpu or extra_env:  # what the fork server's imports may not reproduce: a process of its own
+        if not forkable(env):
             log = open(log_dir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed when the process is reaped
             procs.append(
                 subprocess.Popen(
@@ -109,22 +109,33 @@ _IMPORT_TIME = ("HF_", "HUGGINGFACE", "TRANSFORMERS", "DATASETS", "TORCH", "PYTO
 _IMPORT_TIME += ("TOKENIZERS", "PYTHON", "HOME", "XDG_", "ACCELERATE", "PATH")
 
 
+def forkable(env: dict[str, str]) -> bool:
+    """Whether a process with ``env`` can be forked by the fork server: ``env`` agrees with the server's (the CPU
+    ``worker_env()``) on every variable read at import time (``_IMPORT_TIME``; a GPU run's ``CUDA_VISIBLE_DEVICES``
+    does not)."""
+    base = worker_env()
+    return all(base.get(k) == env.get(k) for k in {*base, *env} if k.startswith(_IMPORT_TIME))
+
+
+def wait_or_kill(procs: list[Any], timeout: float) -> list[int | None]:
+    """``wait``, then SIGKILL whatever still runs (None in the codes for those)."""
+    try:
+        return wait(procs, timeout)
+    finally:
+        kill_all(procs)
+
+
 def run_script(
     script: Path, argv: list[str], env: dict[str, str], log_dir: Path, timeout: float = 400
 ) -> subprocess.CompletedProcess:
     """``python SCRIPT ARGV...`` to its end, shaped as ``subprocess.run(..., capture_output=True, text=True)``:
-    forked by the fork server when ``env`` agrees with its environment on every variable read at import time
-    (``_IMPORT_TIME``), a fresh process otherwise; killed after ``timeout`` seconds (scaled)."""
+    forked by the fork server when ``forkable(env)``, a fresh process otherwise; killed after ``timeout`` seconds
+    (scaled)."""
     command = [sys.executable, str(script), *argv]
-    base = worker_env()
-    if any(base.get(k) != env.get(k) for k in {*base, *env} if k.startswith(_IMPORT_TIME)):
+    if not forkable(env):
         return subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True, timeout=scaled(timeout))
     out, err = log_dir / "stdout.log", log_dir / "stderr.log"
-    proc = fork(script, argv, env, out, err=err)
-    try:
-        (code,) = wait([proc], timeout)
-    finally:
-        kill_all([proc])
+    (code,) = wait_or_kill([fork(script, argv, env, out, err=err)], timeout)
     assert code is not None, f"{script.name} still running after {timeout} s\n" + err.read_text()[-4000:]
     return subprocess.CompletedProcess(command, code, out.read_text(), err.read_text())
 
@@ -165,11 +176,7 @@ def logs(log_dir: Path) -> str:
 
 def run_to_end(runs: list[dict[str, Any]], log_dir: Path, world_size: int = 1, timeout: float = 400) -> list[int]:
     """Runs the worker to completion; returns the exit codes (the processes are killed after ``timeout``)."""
-    procs = launch(runs, log_dir, world_size)
-    try:
-        codes = wait(procs, timeout)
-    finally:
-        kill_all(procs)
+    codes = wait_or_kill(launch(runs, log_dir, world_size), timeout)
     assert None not in codes, f"still running after {timeout} s\n" + logs(log_dir)
     return codes
 

@@ -10,8 +10,9 @@ with its code, dies by SIGINT on an uncaught ``KeyboardInterrupt`` as the interp
 server, which reports its exit code as ``subprocess.Popen.poll`` would (``-N`` for signal N).
 
 The server itself never trains, computes or starts a thread, so a child inherits no OpenMP pool, no process group and
-no lock held by another thread. A launch the server cannot reproduce exactly (a GPU run, extra environment that a
-library may read at import) is a plain ``subprocess.Popen`` instead (``tests/faults.py: launch``).
+no lock held by another thread. A launch the server cannot reproduce exactly (an environment that differs in a
+variable libraries read at import, a GPU run's among them) is a fresh process instead (``tests/faults.py:
+forkable``).
 """
 
 from __future__ import annotations
@@ -107,8 +108,7 @@ def _serve() -> None:
                 _run_child(request)
             children.add(pid)
             answer: dict[str, Any] = {"pid": pid}
-        else:
-            _reap(children, codes)
+        else:  # reaped just above
             answer = {"code": codes.get(request["pid"])}
         sys.stdout.write(json.dumps(answer) + "\n")
         sys.stdout.flush()

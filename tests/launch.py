@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.faults import fork, kill_all, wait, worker_env
+from tests.faults import fork, wait_or_kill, worker_env
 from tests.ports import free_port
 from tests.timing import scaled
 
@@ -69,10 +69,7 @@ def ranks(worker: str, out: Path, *, nproc: int = 2, args: tuple[str, ...] = (),
     logs = [out / f"rank{rank}.log" for rank in range(nproc)]
     argv = [str(out), *args]
     procs = [fork(ROOT / "tests" / worker, argv, worker_env(rank, nproc, port), logs[rank]) for rank in range(nproc)]
-    try:
-        codes = wait(procs, timeout)
-    finally:
-        kill_all(procs)
+    codes = wait_or_kill(procs, timeout)
     text = "\n".join(f"--- rank {rank}\n{log.read_text()}" for rank, log in enumerate(logs))
     assert codes == [0] * nproc, f"exit codes {codes}\n{text[-12000:]}"
     return text
