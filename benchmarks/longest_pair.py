@@ -7,7 +7,10 @@ shared-prompt row holds; TRL computes ``2P + C + R`` (two rows of ``P + C``), re
 optimizer step on that single pair in a FRESH subprocess (a CUDA out-of-memory error can leave a process unusable):
 it succeeds, or fails with out-of-memory (``oom``), a timeout or a killed process (host memory: ``killed``); any other
 error stops the search (a bug must not pass for a limit). A try's ``train_s`` is the Trainer's ``train_runtime`` of
-that one step (model building excluded; the first step of a process, so warm-up included). The search doubles ``T``
+that one step (model building excluded; the first step of a process, so warm-up included). Before that step the
+optimizer's state is made resident (:func:`resident_optimizer_state`: AdamW's two moments per parameter, ~4 bytes per
+parameter in bf16, 30 GiB at 8B), so the try's peak is that of every later step of a run, not the lighter first one,
+whose backward runs before the moments exist. The search doubles ``T``
 from ``--start`` until a try fails (halving instead when the first one fails), then bisects until the largest success
 and the smallest failure are within ``--resolution`` (5%) of each other; ``--time-limit`` stops it early
 with the bracket it has.
@@ -203,6 +206,46 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------------- the two sides
+def resident_optimizer_state(row: dict[str, Any]) -> Any:
+    """A ``TrainerCallback`` that makes the optimizer's lazily created state resident when training begins
+    (:func:`materialize_optimizer_state`) and writes its size to ``row["optimizer_state_gib"]``.
+
+    Why: ``torch.optim.AdamW`` allocates its two moments in its first ``step()``, after the first backward, so a
+    run's first step peaks lower than every later one by the moments' size (4 bytes per bf16 parameter: 30 GiB at
+    8B). With them resident, a one-step try peaks as the later steps of a run do.
+    """
+    from transformers import TrainerCallback
+
+    class ResidentOptimizerState(TrainerCallback):
+        def on_train_begin(self, args: Any, state: Any, control: Any, optimizer: Any = None, **kwargs: Any) -> None:
+            if optimizer is None:
+                raise RuntimeError("the Trainer passed no optimizer to on_train_begin: the try would miss its state")
+            row["optimizer_state_gib"] = round(materialize_optimizer_state(optimizer) / 2**30, 2)
+
+    return ResidentOptimizerState()
+
+
+def materialize_optimizer_state(optimizer: Any) -> int:
+    """One step of ``optimizer`` (a ``torch.optim.Optimizer`` or Accelerate's wrapper of one) at learning rate 0 over
+    zero gradients, then the learning rates restored: AdamW's moments become resident zeros, the parameters stay bit
+    for bit (weight decay scales by ``1 - 0 * wd``) and hold no gradient afterwards. Returns the state's bytes."""
+    import torch
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    rates = [group["lr"] for group in inner.param_groups]
+    params = [p for group in inner.param_groups for p in group["params"] if p.requires_grad]
+    for group in inner.param_groups:
+        group["lr"] = 0.0
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    inner.step()
+    for group, rate in zip(inner.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for p in params:
+        p.grad = None
+    return sum(v.numel() * v.element_size() for st in inner.state.values() for v in st.values() if torch.is_tensor(v))
+
+
 def the_pair(lengths: tuple[int, int, int], seed: int, vocab: int) -> dict[str, list[int]]:
     """The pair's token ids (``workload``'s draw: ids in [3, vocab), completions ending with EOS)."""
     import numpy as np
@@ -270,6 +313,7 @@ def train_ours(args: argparse.Namespace, lengths: tuple[int, int, int], row: dic
         processing_class=make_tokenizer(),
         ref_model=copy.deepcopy(model),
     )
+    trainer.add_callback(resident_optimizer_state(row))
     row["train_s"] = round(trainer.train().metrics["train_runtime"], 2)
     plan = trainer.layer_plan
     row["layers"] = None if plan is None else plan.describe().strip(" |")
@@ -308,6 +352,7 @@ def train_trl(args: argparse.Namespace, lengths: tuple[int, int, int], row: dict
         train_dataset=Dataset.from_dict(columns),
         processing_class=make_tokenizer(),
     )
+    trainer.add_callback(resident_optimizer_state(row))
     row["train_s"] = round(trainer.train().metrics["train_runtime"], 2)
     row["trl_rows_shape"] = list(trainer.tok_log[-1][2]) if trainer.tok_log else None
 

@@ -59,6 +59,37 @@ def _search(tmp_path, monkeypatch, *flags):
     return row, lines, results
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_resident_optimizer_state_leaves_the_weights_and_the_next_step_as_they_were(fused):
+    """The zero-rate step makes AdamW's moments resident and changes nothing a run sees: the weights are bitwise
+    the same, no gradient is left, the learning rate is restored, and the next real step moves the weights as AdamW
+    does from zero moments (compared with a fresh optimizer's first step, the bias correction being its only
+    difference: the moments are equal)."""
+    import torch
+
+    from benchmarks.longest_pair import materialize_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+    size = materialize_optimizer_state(optimizer)
+    moments = sum(2 * 4 * p.numel() for p in model.parameters())
+    assert moments <= size <= moments + 4 * 4  # two float32 moments per parameter, and a step counter per tensor
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    for p in model.parameters():
+        state = optimizer.state[p]
+        assert torch.count_nonzero(state["exp_avg"]) == 0 and torch.count_nonzero(state["exp_avg_sq"]) == 0
+    model(torch.randn(3, 8)).sum().backward()
+    fresh = {n: p.grad.clone() for n, p in model.named_parameters()}
+    optimizer.step()
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    for name, p in model.named_parameters():
+        assert torch.allclose(optimizer.state[p]["exp_avg"], 0.1 * fresh[name]), name  # (1 - beta1) * g
+
+
 @pytest.mark.integration
 @pytest.mark.slow  # two subprocesses, one training the tiny model (~15 s on 2 cores)
 def test_the_search_trains_each_try_in_a_subprocess_and_the_cap_stands_in_for_oom(tmp_path, monkeypatch, capsys):
@@ -70,6 +101,7 @@ def test_the_search_trains_each_try_in_a_subprocess_and_the_cap_stands_in_for_oo
     assert [(t["tokens"], t["status"]) for t in tries] == [(128, "ok"), (256, "oom")]
     assert tries[0]["prompt"] == 116 and tries[0]["trl_tokens"] == 128 + 116 and tries[1]["simulated"]
     assert "MLP in tiles" in tries[0]["layers"] and "offloaded" in tries[0]["layers"]  # what the child trained
+    assert tries[0]["optimizer_state_gib"] > 0  # AdamW's moments were resident before the step
     assert row["longest_tokens"] == 128 and row["first_failure_tokens"] == 256 and row["resolved"]
     assert lines[-1] == row
     longest_pair.main(["--summarize", str(results)])
@@ -88,4 +120,5 @@ def test_the_trl_side_trains_one_pair_with_gradient_checkpointing(tmp_path, monk
     tries = [line for line in lines if line["kind"] == "try"]
     assert [(t["tokens"], t["status"]) for t in tries] == [(64, "ok"), (128, "oom")], tries
     assert tries[0]["trl_rows_shape"] == [2, 58 + 3]  # chosen and rejected rows of P + C tokens
+    assert tries[0]["optimizer_state_gib"] > 0
     assert row["longest_tokens"] == 64 and row["longest_sequence"] == 61
