@@ -62,9 +62,8 @@ def _search(tmp_path, monkeypatch, *flags):
 @pytest.mark.parametrize("fused", [False, True])
 def test_resident_optimizer_state_leaves_the_weights_and_the_next_step_as_they_were(fused):
     """The zero-rate step makes AdamW's moments resident and changes nothing a run sees: the weights are bitwise
-    the same, no gradient is left, the learning rate is restored, and the next real step moves the weights as AdamW
-    does from zero moments (compared with a fresh optimizer's first step, the bias correction being its only
-    difference: the moments are equal)."""
+    the same, no gradient is left, the learning rate is restored, and the next real step moves the weights with a
+    first moment of ``(1 - beta1) * g``, as from zero moments."""
     import torch
 
     from benchmarks.longest_pair import materialize_optimizer_state
@@ -83,11 +82,11 @@ def test_resident_optimizer_state_leaves_the_weights_and_the_next_step_as_they_w
         state = optimizer.state[p]
         assert torch.count_nonzero(state["exp_avg"]) == 0 and torch.count_nonzero(state["exp_avg_sq"]) == 0
     model(torch.randn(3, 8)).sum().backward()
-    fresh = {n: p.grad.clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     optimizer.step()
     assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     for name, p in model.named_parameters():
-        assert torch.allclose(optimizer.state[p]["exp_avg"], 0.1 * fresh[name]), name  # (1 - beta1) * g
+        assert torch.allclose(optimizer.state[p]["exp_avg"], 0.1 * grads[name]), name  # (1 - beta1) * g
 
 
 @pytest.mark.integration
