@@ -402,6 +402,8 @@ def test_sigterm_to_one_rank_stops_both_at_the_same_step_and_the_resumed_run_equ
     (step, checkpoint), *_ = list_checkpoints(spec["out"])
     assert 2 <= step < 12 and checkpoint_problem(checkpoint) is None
     assert {"rng_state_0.pth", "rng_state_1.pth"} <= set(read_manifest(checkpoint)["files"])  # both ranks saved
+    marker = json.loads((Path(spec["out"]) / PREEMPTED_MARKER).read_text())  # rank 0 writes it, rank 1 got SIGTERM
+    assert marker["step"] == step and marker["signal"] == "SIGTERM", marker
     resume = {**spec, "step_sleep": 0, "resume": "auto", "result": spec["result"] + "_resumed"}
     straight = run_spec(tmp_path, "straight", max_steps=12, save_steps=100)
     no_cpu = run_spec(tmp_path, "no_cpu", max_steps=4, use_cpu=False)

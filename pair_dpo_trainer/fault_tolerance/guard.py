@@ -321,9 +321,10 @@ class RunGuard:
             return
         if all_gather_cpu(checkpoint_problem(self._checkpoint_dir(trainer)) is not None)[0]:
             trainer._save_checkpoint(trainer.model, None)  # not saved yet (e.g. save_strategy="best" skipped it)
-        name = handler.signal_name if handler.received is not None else "a stop signal on another rank"
+        name = handler.agreed_signal_name  # the marker names the signal whichever rank received it
         checkpoint = str(self._checkpoint_dir(trainer))
-        preempted = TrainingPreempted(handler.stop_step, checkpoint, name)
+        where = "" if handler.received is not None else " on another rank"
+        preempted = TrainingPreempted(handler.stop_step, checkpoint, name + where)
         end_process_group()  # the process exits with 75 next; a live gloo group can turn that into an abort
         marker = {"phase": "training", "signal": name, "step": handler.stop_step, "checkpoint": checkpoint}
         announce(preempted, self._output_dir, marker=marker if self._is_main else None)

@@ -6,9 +6,9 @@ entered while one is installed leaves it in charge):
 
 - **the training loop** (:class:`PreemptionHandler`, recording from ``on_train_begin``): the handler only records the
   signal. At every optimizer-step boundary the ranks agree on it with one 8-byte all-reduce over the CPU group
-  (:func:`~pair_dpo_trainer.parallel.agreement.any_rank_cpu`, no GPU sync), so a signal that reached only some ranks
-  stops all of them after the same step; the Trainer saves a checkpoint and ``PairDPOTrainer.train`` raises
-  :class:`TrainingPreempted`.
+  (:func:`~pair_dpo_trainer.parallel.agreement.max_over_ranks_cpu`, no GPU sync), so a signal that reached only some
+  ranks stops all of them after the same step, and every rank (the marker too) names that signal; the Trainer saves a
+  checkpoint and ``PairDPOTrainer.train`` raises :class:`TrainingPreempted`.
 - **a long step outside it** (:func:`stop_on_signal`: loading and tokenising in the trainer's constructor, the start
   of ``train()`` up to the loop, ``evaluate()``, ``train.py`` as a whole): :class:`~pair_dpo_trainer.errors.Preempted`
   is raised at once where the main thread is, so ``finally`` blocks remove temporary files and the interpreter exits
@@ -170,16 +170,19 @@ class PreemptionHandler(StopHandler):
     boundaries.
 
     Attributes:
-        received: The signal number received, or None.
+        received: The signal number this rank received, or None.
+        agreed: The signal number the ranks agreed on at the last step boundary (the largest any rank received, so
+            every rank names the same one: SIGTERM over SIGINT), or None.
         stop_step: The step after which all ranks agreed to stop, or None.
     """
 
     def __init__(self) -> None:
         super().__init__("the start of training", mode="raise")
+        self.agreed: int | None = None
         self.stop_step: int | None = None
 
     def install(self) -> bool:
-        self.received = None
+        self.received = self.agreed = None
         self.stop_step = None
         self.mode, self.phase = "raise", "the start of training (lock, resume, reference, model set-up)"
         installed = super().install()
@@ -193,10 +196,17 @@ class PreemptionHandler(StopHandler):
         self.phase = "training"
 
     def agree(self) -> bool:
-        """Whether any rank received the signal (a collective on every rank; local in one process)."""
-        from pair_dpo_trainer.parallel.agreement import any_rank_cpu  # torch: imported by the training run only
+        """Whether any rank received a stop signal, and which (:attr:`agreed`): a collective on every rank, local in
+        one process. A rank whose own signal comes later (a launcher's, rank after rank) still names the signal."""
+        from pair_dpo_trainer.parallel.agreement import max_over_ranks_cpu  # torch: imported by the training run only
 
-        return any_rank_cpu(self.received is not None)
+        self.agreed = max_over_ranks_cpu(self.received or 0) or None
+        return self.agreed is not None
+
+    @property
+    def agreed_signal_name(self) -> str:
+        """The agreed signal's name (``"SIGTERM"``), the same on every rank."""
+        return signal.Signals(self.agreed).name if self.agreed is not None else "no signal"
 
 
 class StopScope:

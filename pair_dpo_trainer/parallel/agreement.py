@@ -54,16 +54,16 @@ def all_gather_cpu(value: Any) -> list[Any]:
     return values
 
 
-def any_rank_cpu(flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any rank: one 8-byte all-reduce over the CPU group (no GPU sync).
+def max_over_ranks_cpu(value: int) -> int:
+    """The largest ``value`` over all ranks: one 8-byte all-reduce over the CPU group (no GPU sync).
 
     A collective: every rank must call it at the same point (e.g. at every optimizer-step boundary).
     """
     if not is_multiprocess():
-        return bool(flag)
-    value = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=_cpu_group())
-    return bool(value[0])
+        return int(value)
+    reduced = torch.tensor([int(value)], dtype=torch.int64)
+    dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=_cpu_group())
+    return int(reduced[0])
 
 
 def assert_ranks_agree(what: str, value: str) -> None:
