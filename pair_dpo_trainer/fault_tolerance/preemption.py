@@ -83,6 +83,10 @@ def _rank() -> int:
     return int(os.environ.get("RANK", "0") or 0)
 
 
+def _signal_name(signum: int | None) -> str:
+    return signal.Signals(signum).name if signum is not None else "no signal"
+
+
 class StopHandler:
     """The stop-signal handler of one phase (main thread only).
 
@@ -105,7 +109,8 @@ class StopHandler:
 
     @property
     def signal_name(self) -> str:
-        return signal.Signals(self.received).name if self.received is not None else "no signal"
+        """The received signal's name (``"SIGTERM"``)."""
+        return _signal_name(self.received)
 
     def install(self) -> bool:
         """Installs the handler; False (nothing installed) outside the main thread, where Python takes no signal."""
@@ -206,7 +211,7 @@ class PreemptionHandler(StopHandler):
     @property
     def agreed_signal_name(self) -> str:
         """The agreed signal's name (``"SIGTERM"``), the same on every rank."""
-        return signal.Signals(self.agreed).name if self.agreed is not None else "no signal"
+        return _signal_name(self.agreed)
 
 
 class StopScope:
