@@ -1,7 +1,7 @@
 """1x H200 suites of the larger shapes and the memory options, each one device call of at most 9 minutes: the
 Qwen2-1.5B shape (ours vs TRL + liger, ceiling, profile, fp8), the 8B model on one GPU (checkpointing chosen by
-``auto``, fp8, LoRA, each fixed checkpointing setting, vs TRL), the allocator as a library user gets it, and the GPU
-tests.
+``auto``, fp8, LoRA, each fixed checkpointing setting, each prompt packed once or twice, vs TRL), the longest 8B pair
+of each side, the allocator as a library user gets it, and the GPU tests.
 
 Order is priority: the runner's deadline skips runs from the end, so ours' main rows come first and TRL's after
 ours (TRL is the peer). A run that fails (an OOM of ``--activation-checkpointing off`` on 8B, a flag this version
@@ -151,6 +151,81 @@ def speed_8b() -> tuple[Suite, Suite, Suite]:
     return full, checkpointing, lora
 
 
+def share_8b() -> Suite:
+    """``h200-share-8b``: the 8B full fine-tune with each prompt packed once, against TRL and against the prompt packed
+    twice, in one call (the ratios of one machine and clock)."""
+    off = ("--compile", "--activation-checkpointing", "off")
+    trl_gc, _ = _trl_8b()
+    return Suite(
+        name="h200-share-8b",
+        summary="1x H200: the 8B full fine-tune, 8 pairs/step, compiled, no checkpointing: ours with each prompt "
+        "packed once (the default), TRL with gradient checkpointing, ours with each prompt packed twice",
+        gpus=1,
+        deadline_s=540,
+        env=(*ONE_GPU, *EXPANDABLE),
+        runs=(
+            ours("ours_8b_shared", NC, *B8, *off, "--share-prompt", timeout_s=200, log="ours_8b.log"),
+            trl_gc,
+            ours("ours_8b_unshared", NC, *B8, *off, "--no-share-prompt", timeout_s=200, log="ours_8b.log"),
+        ),
+        ratios=ratios("ours_8b_shared/trl_8b_gc", "ours_8b_shared/ours_8b_unshared"),
+        memory_ratios=ratios("ours_8b_shared/trl_8b_gc", "ours_8b_shared/ours_8b_unshared"),
+        look_for="pairs/s of each row = 8 / step_s_median (the target compares pairs/s; the RATIO lines compare "
+        "tokens computed, and ours_8b_shared computes each prompt once: its trl_tok_s_gpu is its rate as TRL counts); "
+        "prompt_tokens_saved_frac of ours_8b_shared; peak_alloc_gib of each row",
+    )
+
+
+LONGEST_8B = (
+    "benchmarks.longest_pair",
+    "--model-size",
+    "8b",
+    "--no-cudnn-sdp",
+    "--prompt-frac",
+    "0.9",
+    "--max-tries",
+    "1",
+)
+"""One try of one length per run: an 8B try is minutes, so the two lengths that decide "ours >= 2x TRL + liger" are
+named (docs/benchmarks_howto.md gives the arithmetic) instead of searched."""
+
+
+def longest_8b() -> tuple[Suite, Suite]:
+    """``h200-longest-8b-trl`` (TRL + liger with gradient checkpointing on one 122,880-token pair: out of memory
+    expected) and ``h200-longest-8b-ours`` (ours on twice that): one device call each, the TRL one first."""
+
+    def attempt(side: str, strategy: str, tokens: int, try_s: int) -> Run:
+        tag = f"longest_8b_{side}"
+        args = (*LONGEST_8B, "--tag", tag, "--side", side, "--strategy", strategy, "--start", str(tokens))
+        return Run(tag, "module", (*args, "--try-timeout", str(try_s)), timeout_s=try_s + 15, log="longest.log")
+
+    look_for = (
+        "longest.log / results.jsonl: the TRY row's status (ok, oom, timeout), peak_alloc_gib and train_s; "
+        "`python -m benchmarks.longest_pair --summarize $OUT/results.jsonl` prints the table"
+    )
+    trl_try = Suite(
+        name="h200-longest-8b-trl",
+        summary="1x H200: the 8B full fine-tune, TRL + liger with gradient checkpointing, one pair of 122,880 tokens "
+        "(prompt 90%) with AdamW's moments resident: out of memory expected",
+        gpus=1,
+        deadline_s=240,
+        env=(*ONE_GPU, *EXPANDABLE),
+        runs=(attempt("trl", "liger+gc", 122880, 200),),
+        look_for=look_for,
+    )
+    ours_try = Suite(
+        name="h200-longest-8b-ours",
+        summary="1x H200: the 8B full fine-tune, ours with full checkpointing, activations offloaded to host memory "
+        "and the MLP in tiles, one pair of 245,760 tokens (twice TRL's try)",
+        gpus=1,
+        deadline_s=560,
+        env=(*ONE_GPU, *EXPANDABLE),
+        runs=(attempt("ours", "full+offload+tiled", 245760, 535),),
+        look_for=look_for,
+    )
+    return trl_try, ours_try
+
+
 def alloc() -> Suite:
     """``h200-alloc``: the allocator through the library API without an allocator variable, then with one."""
     check = ("benchmarks.alloc_check", "--model-size", "1.5b", "--mix", "heavy", "--pairs", "4", "--steps", "40")
@@ -196,4 +271,4 @@ def gpu_tests() -> Suite:
     )
 
 
-SPEED_SUITES = (speed_qwen(), *speed_8b(), alloc(), gpu_tests())
+SPEED_SUITES = (speed_qwen(), *speed_8b(), share_8b(), *longest_8b(), alloc(), gpu_tests())

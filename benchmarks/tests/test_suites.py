@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import dpo, plan, run, trl_dpo
+from benchmarks import dpo, longest_pair, plan, run, trl_dpo
 from benchmarks.spec import Run, Suite, ours, ratios, trl
 from benchmarks.suites import SUITES
 
@@ -236,3 +236,27 @@ def test_device_script_dry_run_prints_the_commands_and_installs_nothing(tmp_path
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stdout.splitlines() if line.startswith("DRY_RUN: ")]
     assert len(lines) == len(SUITES["h200-speed-qwen"].runs) and not site.exists()
+
+
+def test_share_suite_runs_the_shared_row_then_trl_then_the_unshared_one_on_the_same_8b_workload():
+    """The target's two rows (ours shared, TRL) come before the lower-priority unshared row the deadline cuts first."""
+    runs = _parsed("h200-share-8b")
+    assert list(runs) == ["ours_8b_shared", "trl_8b_gc", "ours_8b_unshared"]
+    shared, unshared = runs["ours_8b_shared"][1], runs["ours_8b_unshared"][1]
+    assert shared.share_prompt is True and unshared.share_prompt is False
+    assert vars(shared) | {"tag": "", "share_prompt": None} == vars(unshared) | {"tag": "", "share_prompt": None}
+    assert shared.compile and shared.model_size == runs["trl_8b_gc"][1].model_size == "8b"
+    assert runs["trl_8b_gc"][1].gradient_checkpointing and SUITES["h200-share-8b"].deadline_s <= 540
+
+
+def test_longest_8b_suites_try_ours_at_twice_the_length_trl_is_tried_at():
+    """The two tries decide ">= 2x TRL + liger" only if ours' length is at least twice TRL's, on the same model."""
+    tries = {}
+    for name in ("h200-longest-8b-trl", "h200-longest-8b-ours"):
+        (run_,) = SUITES[name].runs
+        args = longest_pair.parse_args(list(run_.args[1:]))
+        assert run_.args[0] == "benchmarks.longest_pair" and args.max_tries == 1 and args.model_size == "8b"
+        assert args.try_timeout < run_.timeout_s <= SUITES[name].deadline_s <= 560  # the try ends before its run
+        tries[args.side] = args
+    assert tries["trl"].strategy == "liger+gc" and tries["ours"].strategy == "full+offload+tiled"
+    assert tries["ours"].start >= 2 * tries["trl"].start and tries["ours"].prompt_frac == tries["trl"].prompt_frac
