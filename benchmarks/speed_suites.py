@@ -194,36 +194,26 @@ def longest_8b() -> tuple[Suite, Suite]:
     """``h200-longest-8b-trl`` (TRL + liger with gradient checkpointing on one 122,880-token pair: out of memory
     expected) and ``h200-longest-8b-ours`` (ours on twice that): one device call each, the TRL one first."""
 
-    def attempt(side: str, strategy: str, tokens: int, try_s: int) -> Run:
+    def suite(side: str, strategy: str, tokens: int, try_s: int, summary: str) -> Suite:
         tag = f"longest_8b_{side}"
         args = (*LONGEST_8B, "--tag", tag, "--side", side, "--strategy", strategy, "--start", str(tokens))
-        return Run(tag, "module", (*args, "--try-timeout", str(try_s)), timeout_s=try_s + 15, log="longest.log")
+        return Suite(
+            name=f"h200-longest-8b-{side}",
+            summary=f"1x H200: the 8B full fine-tune, one pair of {tokens:,} tokens (prompt 90%) with AdamW's moments "
+            f"resident: {summary}",
+            gpus=1,
+            deadline_s=try_s + 25,
+            env=(*ONE_GPU, *EXPANDABLE),
+            runs=(Run(tag, "module", (*args, "--try-timeout", str(try_s)), timeout_s=try_s + 15, log="longest.log"),),
+            look_for="longest.log / results.jsonl: the TRY row's status (ok, oom, timeout), peak_alloc_gib and "
+            "train_s; `python -m benchmarks.longest_pair --summarize $OUT/results.jsonl` prints the table",
+        )
 
-    look_for = (
-        "longest.log / results.jsonl: the TRY row's status (ok, oom, timeout), peak_alloc_gib and train_s; "
-        "`python -m benchmarks.longest_pair --summarize $OUT/results.jsonl` prints the table"
+    trl_summary = "TRL + liger with gradient checkpointing (out of memory expected)"
+    ours_summary = "ours with full checkpointing, activations in host memory, the MLP in tiles (twice TRL's try)"
+    return suite("trl", "liger+gc", 122880, 200, trl_summary), suite(
+        "ours", "full+offload+tiled", 245760, 535, ours_summary
     )
-    trl_try = Suite(
-        name="h200-longest-8b-trl",
-        summary="1x H200: the 8B full fine-tune, TRL + liger with gradient checkpointing, one pair of 122,880 tokens "
-        "(prompt 90%) with AdamW's moments resident: out of memory expected",
-        gpus=1,
-        deadline_s=240,
-        env=(*ONE_GPU, *EXPANDABLE),
-        runs=(attempt("trl", "liger+gc", 122880, 200),),
-        look_for=look_for,
-    )
-    ours_try = Suite(
-        name="h200-longest-8b-ours",
-        summary="1x H200: the 8B full fine-tune, ours with full checkpointing, activations offloaded to host memory "
-        "and the MLP in tiles, one pair of 245,760 tokens (twice TRL's try)",
-        gpus=1,
-        deadline_s=560,
-        env=(*ONE_GPU, *EXPANDABLE),
-        runs=(attempt("ours", "full+offload+tiled", 245760, 535),),
-        look_for=look_for,
-    )
-    return trl_try, ours_try
 
 
 def alloc() -> Suite:
